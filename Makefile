@@ -1,0 +1,48 @@
+# `make demo` and `make test` set everything up on a fresh machine first (a virtualenv in .venv).
+#
+# torch is installed before the package so pip never swaps in another build:
+#   default            torch==2.13.0 (here a local CPU wheel; on PyPI the standard build, CUDA on Linux)
+#   CPU-only machine   make install TORCH_INDEX=https://download.pytorch.org/whl/cpu
+#   a CUDA version     make install TORCH_SPEC=torch TORCH_INDEX=https://download.pytorch.org/whl/cu126
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test test-fast lint format bench-decode bench-train clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(BIN)/pip install --quiet -e ".[dev]"
+	touch $@
+
+demo: install
+	$(BIN)/seq2seq demo
+
+test: install
+	$(BIN)/python -m pytest -q
+
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow"
+
+lint: install
+	$(BIN)/ruff check seq2seq tests scripts
+	$(BIN)/ruff format --check seq2seq tests scripts
+
+format: install
+	$(BIN)/ruff check --fix seq2seq tests scripts
+	$(BIN)/ruff format seq2seq tests scripts
+
+bench-decode: install
+	$(BIN)/python scripts/benchmark_decode.py
+
+bench-train: install
+	$(BIN)/python scripts/benchmark_train.py
+
+clean:
+	rm -rf $(VENV) runs data/demo .pytest_cache .ruff_cache

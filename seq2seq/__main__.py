@@ -1,0 +1,5 @@
+"""`python -m seq2seq` (and `torchrun -m seq2seq`) run the CLI."""
+
+from seq2seq.cli import main
+
+main()

@@ -1,0 +1,375 @@
+"""Typed, validated configuration: one frozen dataclass per YAML section, loaded with yaml.safe_load.
+
+Every problem (unknown key, wrong type, bad choice, impossible combination, missing file) is
+collected and reported together, one line each, naming the file (or the --set flag) and the
+dotted key, so the user fixes everything in one edit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from seq2seq.errors import UserInputError
+
+
+@dataclass(frozen=True)
+class CorpusConfig:
+    """Where one split of parallel data comes from."""
+
+    format: Literal["text", "tsv", "jsonl", "hf"] = "text"
+    src: str | None = None  # text: the source-side file (one sentence per line, optionally .gz)
+    tgt: str | None = None  # text: the target-side file
+    path: str | None = None  # tsv/jsonl: the file; hf: a save_to_disk folder or data file(s)
+    src_field: str = "src"  # jsonl/hf flat columns: the source field
+    tgt_field: str = "tgt"  # jsonl/hf flat columns: the target field
+    name: str | None = None  # hf: a hub dataset name, e.g. wmt14
+    subset: str | None = None  # hf: the dataset's config name, e.g. de-en
+    split: str = "train"  # hf: which split
+
+    def problems(self) -> list[tuple[str, str]]:
+        if self.format == "text" and not (self.src and self.tgt):
+            return [("src", "format 'text' needs both 'src' and 'tgt' files")]
+        if self.format in ("tsv", "jsonl") and not self.path:
+            return [("path", f"format '{self.format}' needs 'path'")]
+        if self.format == "hf" and not (self.name or self.path):
+            return [("name", "format 'hf' needs a hub 'name' or a local 'path'")]
+        return []
+
+    def files(self) -> dict[str, str]:
+        """The local files this corpus reads, by config key (for existence checks)."""
+        keys = ("src", "tgt") if self.format == "text" else ("path",)
+        return {key: getattr(self, key) for key in keys if getattr(self, key)}
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    train: CorpusConfig
+    valid: CorpusConfig
+    test: CorpusConfig | None = None
+    src_lang: str = "src"
+    tgt_lang: str = "tgt"
+    max_length: int = 256  # drop training pairs longer than this many tokens on either side
+    max_length_ratio: float = 0.0  # drop pairs whose length ratio exceeds this; 0 disables
+
+    def problems(self) -> list[tuple[str, str]]:
+        found = []
+        if self.max_length < 1:
+            found.append(("max_length", "expected an integer >= 1"))
+        if self.max_length_ratio < 0:
+            found.append(("max_length_ratio", "expected a number >= 0 (0 disables the filter)"))
+        return found
+
+
+@dataclass(frozen=True)
+class TokenizerConfig:
+    vocab_size: int = 8000
+    model_type: Literal["unigram", "bpe"] = "unigram"
+    joint: bool = True  # one vocabulary for both languages (needed to share embeddings)
+    character_coverage: float = 1.0
+    sample_sentences: int = 1_000_000  # train on at most this many randomly sampled sentences
+    user_defined_symbols: tuple[str, ...] = ()
+
+    def problems(self) -> list[tuple[str, str]]:
+        found = []
+        if self.vocab_size < 8:
+            found.append(("vocab_size", "expected an integer >= 8"))
+        if not 0.9 <= self.character_coverage <= 1.0:
+            found.append(("character_coverage", "expected a number in [0.9, 1.0]"))
+        if self.sample_sentences < 1:
+            found.append(("sample_sentences", "expected an integer >= 1"))
+        return found
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    d_model: int = 512
+    heads: int = 8
+    encoder_layers: int = 6
+    decoder_layers: int = 6
+    ffn_dim: int = 2048
+    dropout: float = 0.1
+    attention_dropout: float = 0.0  # on attention probabilities
+    activation_dropout: float = 0.0  # inside the feed-forward block, after the activation
+    activation: Literal["relu", "gelu"] = "relu"
+    norm: Literal["post", "pre"] = "post"  # post = the paper; pre = stabler for deep models
+    share_embeddings: bool = True  # source, target and output embeddings are one matrix (joint vocab)
+    tie_output: bool = True  # the output projection reuses the target embedding matrix
+
+    def problems(self) -> list[tuple[str, str]]:
+        found = []
+        for key in ("d_model", "heads", "encoder_layers", "decoder_layers", "ffn_dim"):
+            if getattr(self, key) < 1:
+                found.append((key, "expected an integer >= 1"))
+        if self.heads >= 1 and self.d_model % self.heads:
+            found.append(("d_model", f"expected a multiple of heads ({self.heads}), got {self.d_model}"))
+        elif self.d_model % 2:
+            found.append(("d_model", f"expected an even number (sin/cos position pairs), got {self.d_model}"))
+        for key in ("dropout", "attention_dropout", "activation_dropout"):
+            if not 0.0 <= getattr(self, key) < 1.0:
+                found.append((key, "expected a number in [0, 1)"))
+        return found
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    max_tokens: int = 4096  # target tokens per batch (token-bucketed batches)
+    max_steps: int = 100_000
+    max_epochs: int = 0  # 0 = no epoch limit
+    max_time: float = 0.0  # stop after this many seconds of training; 0 = no limit
+    accum_steps: int = 1  # batches per update: the effective batch is max_tokens * accum_steps
+    lr: float = 5e-4  # peak learning rate
+    schedule: Literal["inverse_sqrt", "noam", "linear", "cosine", "constant"] = "inverse_sqrt"
+    warmup_steps: int = 4000
+    optimizer: Literal["adam", "adamw"] = "adam"
+    betas: tuple[float, float] = (0.9, 0.98)
+    eps: float = 1e-9
+    weight_decay: float = 0.0
+    clip_norm: float = 1.0  # 0 disables clipping
+    label_smoothing: float = 0.1
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    seed: int = 1
+    threads: int = 0  # torch intra-op threads; 0 keeps torch's default
+    log_every: int = 100
+    valid_every: int = 1000
+    valid_max_sentences: int = 500  # BLEU on at most this many validation sentences
+    valid_beam: int = 1  # beam size for validation BLEU (1 = greedy, fastest)
+    patience: int = 0  # stop after this many validations without a better BLEU; 0 disables
+    compile: bool = False  # wrap the model in torch.compile
+    save_every: int = 1000
+    keep_last: int = 5
+
+    def problems(self) -> list[tuple[str, str]]:
+        found = []
+        for key in (
+            "max_tokens",
+            "max_steps",
+            "accum_steps",
+            "log_every",
+            "valid_every",
+            "save_every",
+            "keep_last",
+            "valid_max_sentences",
+            "valid_beam",
+        ):
+            if getattr(self, key) < 1:
+                found.append((key, "expected an integer >= 1"))
+        for key in ("max_epochs", "max_time", "warmup_steps", "weight_decay", "clip_norm", "threads", "patience"):
+            if getattr(self, key) < 0:
+                found.append((key, "expected a number >= 0"))
+        if self.lr <= 0:
+            found.append(("lr", "expected a number > 0"))
+        if self.schedule == "noam" and self.warmup_steps == 0:
+            found.append(("warmup_steps", "schedule 'noam' needs warmup_steps >= 1"))
+        if not 0.0 <= self.label_smoothing < 1.0:
+            found.append(("label_smoothing", "expected a number in [0, 1)"))
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            found.append(("betas", "expected two numbers in [0, 1)"))
+        return found
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    beam: int = 5
+    length_penalty: float = 0.6  # GNMT alpha; with length_norm 'average' it is ignored
+    length_norm: Literal["gnmt", "average", "none"] = "gnmt"
+    max_len_a: float = 1.2  # output at most a * source_length + b tokens
+    max_len_b: int = 10
+    min_len: int = 1
+    nbest: int = 1
+    batch_tokens: int = 4096  # source tokens per translation batch
+
+    def problems(self) -> list[tuple[str, str]]:
+        found = []
+        for key in ("beam", "nbest", "batch_tokens"):
+            if getattr(self, key) < 1:
+                found.append((key, "expected an integer >= 1"))
+        if self.nbest > self.beam:
+            found.append(("nbest", f"expected at most beam ({self.beam}), got {self.nbest}"))
+        for key in ("max_len_a", "max_len_b", "min_len", "length_penalty"):
+            if getattr(self, key) < 0:
+                found.append((key, "expected a number >= 0"))
+        return found
+
+
+@dataclass(frozen=True)
+class Config:
+    data: DataConfig
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+
+    def problems(self) -> list[tuple[str, str]]:
+        if self.model.share_embeddings and not self.tokenizer.joint:
+            return [("model.share_embeddings", "needs tokenizer.joint: true (one vocabulary)")]
+        return []
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain YAML-ready data (tuples become lists) for the run directory and checkpoints."""
+        return _plain(dataclasses.asdict(self))
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    return value
+
+
+def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
+    """Read, override and validate a YAML config; local data files must exist."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserInputError(f"{path}: config file not found") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark else ""
+        raise UserInputError(f"{path}{where}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
+    if not isinstance(raw, dict):
+        raise UserInputError(f"{path}: expected a mapping of sections (data, model, ...) at the top")
+    overridden = apply_overrides(raw, overrides)
+    config = _build_checked(raw, origin=str(path), overridden=overridden)
+    missing = [
+        f"{path}: data.{split}.{key}: file not found: {file}"
+        for split in ("train", "valid", "test")
+        if (corpus := getattr(config.data, split)) is not None
+        for key, file in corpus.files().items()
+        if not Path(file).exists()
+    ]
+    if missing:
+        raise UserInputError("\n".join(missing))
+    return config
+
+
+def config_from_dict(raw: dict[str, Any], origin: str) -> Config:
+    """Validate an already-parsed config (e.g. from a checkpoint); files are not checked."""
+    return _build_checked(raw, origin=origin, overridden=set())
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> set[str]:
+    """Apply `section.key=value` strings (values parsed as YAML) in place; return the keys set."""
+    keys = set()
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key or any(not part for part in key.split(".")):
+            raise UserInputError(f"--set {item}: expected KEY=VALUE with a dotted key, e.g. train.lr=0.001")
+        node = raw
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise UserInputError(f"--set {item}: '{part}' is not a section")
+        node[leaf] = yaml.safe_load(text)
+        keys.add(key)
+    return keys
+
+
+def _build_checked(raw: dict[str, Any], *, origin: str, overridden: set[str]) -> Config:
+    errors: list[tuple[str, str]] = []
+    config = _build(Config, raw, "", errors)
+    if not errors:
+        _collect_problems(config, "", errors)
+    if errors:
+        lines = [f"{'--set ' + key if key in overridden else origin}: {key}: {msg}" for key, msg in errors]
+        raise UserInputError("\n".join(lines))
+    return config
+
+
+def _collect_problems(obj: Any, prefix: str, errors: list[tuple[str, str]]) -> None:
+    for key, message in obj.problems():
+        errors.append((key if "." in key else prefix + key, message))
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            _collect_problems(value, f"{prefix}{f.name}.", errors)
+
+
+def _build(cls: type, raw: Any, prefix: str, errors: list[tuple[str, str]]) -> Any:
+    """Build dataclass `cls` from `raw`, appending (dotted key, message) for each problem."""
+    section = prefix.rstrip(".") or "config"
+    if not isinstance(raw, dict):
+        errors.append((section, f"expected a mapping, got {_describe(raw)}"))
+        return None
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), fields, n=1)
+            hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys: {', '.join(fields)}"
+            errors.append((f"{prefix}{key}", f"unknown key{hint}"))
+    values = {}
+    for name, f in fields.items():
+        if name in raw:
+            values[name] = _convert(hints[name], raw[name], f"{prefix}{name}", errors)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            errors.append((f"{prefix}{name}", "required key is missing"))
+    try:
+        return cls(**values)
+    except TypeError:  # a required key was missing; already reported
+        return None
+
+
+_FLOAT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
+
+
+def _convert(hint: Any, value: Any, key: str, errors: list[tuple[str, str]]) -> Any:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [arg for arg in args if arg is not type(None)]
+        return _convert(inner, value, key, errors)
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, key + ".", errors)
+    if origin is Literal:
+        if value in args:
+            return value
+        errors.append((key, f"expected one of {', '.join(map(str, args))}; got {_describe(value)}"))
+    elif origin is tuple:
+        variadic = len(args) == 2 and args[1] is Ellipsis
+        if isinstance(value, list) and (variadic or len(value) == len(args)):
+            kinds = [args[0]] * len(value) if variadic else list(args)
+            return tuple(_convert(kind, item, key, errors) for kind, item in zip(kinds, value))
+        size = "a list" if variadic else f"a list of {len(args)} items"
+        errors.append((key, f"expected {size}, got {_describe(value)}"))
+    elif hint is bool:
+        if isinstance(value, bool):
+            return value
+        errors.append((key, f"expected true or false, got {_describe(value)}"))
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        errors.append((key, f"expected an integer, got {_describe(value)}"))
+    elif hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str) and _FLOAT.match(value):  # PyYAML reads 1e-3 as a string
+            return float(value)
+        errors.append((key, f"expected a number, got {_describe(value)}"))
+    elif hint is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        errors.append((key, f"expected a string, got {_describe(value)}"))
+    else:  # pragma: no cover - a programming error in the schema, not user input
+        raise TypeError(f"unsupported config type {hint} for {key}")
+    return None
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, list):
+        return "a list"
+    return f"{value!r}"

@@ -1,0 +1,141 @@
+"""SentencePiece training and a small Tokenizer wrapper (ids in, ids out, text back).
+
+Special ids are fixed for every model so the rest of the code can rely on them:
+pad=0, unk=1, bos=2, eos=3.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import random
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import sentencepiece as spm
+
+from seq2seq.config import TokenizerConfig
+from seq2seq.errors import UserInputError
+
+PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+
+
+class Tokenizer:
+    """Source and target SentencePiece models (the same object when the vocabulary is joint)."""
+
+    def __init__(self, src_proto: bytes, tgt_proto: bytes | None = None) -> None:
+        self.src_model = spm.SentencePieceProcessor(model_proto=src_proto)
+        self.tgt_model = self.src_model if tgt_proto is None else spm.SentencePieceProcessor(model_proto=tgt_proto)
+
+    @property
+    def joint(self) -> bool:
+        return self.src_model is self.tgt_model
+
+    @property
+    def src_vocab_size(self) -> int:
+        return self.src_model.get_piece_size()
+
+    @property
+    def tgt_vocab_size(self) -> int:
+        return self.tgt_model.get_piece_size()
+
+    def encode_src(self, lines: list[str]) -> list[list[int]]:
+        """Source ids end with EOS (the encoder sees where the sentence stops)."""
+        return self.src_model.encode(lines, out_type=int, add_eos=True, num_threads=_threads())
+
+    def encode_tgt(self, lines: list[str]) -> list[list[int]]:
+        """Target ids without BOS/EOS; `Batch` adds them for teacher forcing."""
+        return self.tgt_model.encode(lines, out_type=int, num_threads=_threads())
+
+    def decode_tgt(self, ids: list[int]) -> str:
+        return self.tgt_model.decode([i for i in ids if i > EOS_ID])
+
+    def src_pieces(self, line: str) -> list[str]:
+        return self.src_model.encode(line, out_type=str, add_eos=True)
+
+    def tgt_pieces(self, ids: list[int]) -> list[str]:
+        return [self.tgt_model.id_to_piece(i) for i in ids]
+
+    def protos(self) -> dict[str, bytes]:
+        """The serialized models, for checkpoints and the run directory."""
+        if self.joint:
+            return {"joint": self.src_model.serialized_model_proto()}
+        return {"src": self.src_model.serialized_model_proto(), "tgt": self.tgt_model.serialized_model_proto()}
+
+    @classmethod
+    def from_protos(cls, protos: dict[str, bytes]) -> Tokenizer:
+        if "joint" in protos:
+            return cls(protos["joint"])
+        return cls(protos["src"], protos["tgt"])
+
+    def save(self, directory: str | Path) -> None:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        for name, proto in self.protos().items():
+            tmp = directory / f".{name}.model.tmp"
+            tmp.write_bytes(proto)
+            os.replace(tmp, directory / f"{name}.model")
+
+    @classmethod
+    def load(cls, directory: str | Path) -> Tokenizer:
+        directory = Path(directory)
+        names = ("joint",) if (directory / "joint.model").exists() else ("src", "tgt")
+        missing = [n for n in names if not (directory / f"{n}.model").exists()]
+        if missing:
+            raise UserInputError(f"{directory}: no tokenizer found (expected joint.model, or src.model and tgt.model)")
+        return cls.from_protos({n: (directory / f"{n}.model").read_bytes() for n in names})
+
+
+def train_tokenizer(
+    config: TokenizerConfig, src_lines: Iterable[str], tgt_lines: Iterable[str], *, seed: int = 1
+) -> Tokenizer:
+    """Train SentencePiece on a bounded random sample of the training sentences."""
+    if config.joint:
+        sample = _reservoir(_chain(src_lines, tgt_lines), config.sample_sentences, seed)
+        return Tokenizer(_train_model(config, sample))
+    src_sample = _reservoir(src_lines, config.sample_sentences, seed)
+    tgt_sample = _reservoir(tgt_lines, config.sample_sentences, seed + 1)
+    return Tokenizer(_train_model(config, src_sample), _train_model(config, tgt_sample))
+
+
+def _train_model(config: TokenizerConfig, sentences: list[str]) -> bytes:
+    if not sentences:
+        raise UserInputError("tokenizer: the training data has no sentences to learn a vocabulary from")
+    proto = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(sentences),
+        model_writer=proto,
+        vocab_size=config.vocab_size,
+        model_type=config.model_type,
+        character_coverage=config.character_coverage,
+        user_defined_symbols=list(config.user_defined_symbols),
+        pad_id=PAD_ID,
+        unk_id=UNK_ID,
+        bos_id=BOS_ID,
+        eos_id=EOS_ID,
+        hard_vocab_limit=False,  # a small corpus may not support vocab_size pieces; take what it has
+        num_threads=_threads(),
+        minloglevel=2,
+    )
+    return proto.getvalue()
+
+
+def _chain(*iterables: Iterable[str]) -> Iterator[str]:
+    for iterable in iterables:
+        yield from iterable
+
+
+def _reservoir(lines: Iterable[str], size: int, seed: int) -> list[str]:
+    """A uniform random sample of at most `size` non-empty lines, in one pass."""
+    rng = random.Random(seed)
+    sample: list[str] = []
+    for index, line in enumerate(line for line in lines if line.strip()):
+        if index < size:
+            sample.append(line)
+        elif (slot := rng.randrange(index + 1)) < size:
+            sample[slot] = line
+    return sample
+
+
+def _threads() -> int:
+    return max(1, len(os.sched_getaffinity(0)))

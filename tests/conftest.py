@@ -1,0 +1,78 @@
+"""Shared fixtures: tiny configs and corpora built on the fly (no committed binaries)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from seq2seq.demo_data import make_demo_corpus
+
+
+def write_pairs(directory: Path, split: str, pairs: list[tuple[str, str]]) -> tuple[Path, Path]:
+    src, tgt = directory / f"{split}.en", directory / f"{split}.xx"
+    src.write_text("".join(s + "\n" for s, _ in pairs), encoding="utf-8")
+    tgt.write_text("".join(t + "\n" for _, t in pairs), encoding="utf-8")
+    return src, tgt
+
+
+def tiny_config_dict(data_dir: Path, **train_overrides) -> dict:
+    """A model small enough to train for a few hundred steps in seconds on a CPU."""
+    splits = {
+        split: {"format": "text", "src": str(data_dir / f"{split}.en"), "tgt": str(data_dir / f"{split}.xx")}
+        for split in ("train", "valid", "test")
+    }
+    return {
+        "data": {"src_lang": "en", "tgt_lang": "xx", **splits},
+        "tokenizer": {"vocab_size": 400},
+        "model": {
+            "d_model": 96,
+            "heads": 4,
+            "encoder_layers": 2,
+            "decoder_layers": 2,
+            "ffn_dim": 192,
+            "dropout": 0.1,
+            "norm": "pre",
+        },
+        "train": {
+            "max_tokens": 2048,
+            "max_steps": 20,
+            "lr": 0.004,
+            "warmup_steps": 50,
+            "log_every": 10,
+            "valid_every": 10,
+            "save_every": 10,
+            "valid_max_sentences": 20,
+            "threads": 1,
+            **train_overrides,
+        },
+        "decode": {"beam": 2, "max_len_a": 1.5, "max_len_b": 5},
+    }
+
+
+@pytest.fixture(scope="session")
+def demo_pairs() -> dict[str, list[tuple[str, str]]]:
+    return make_demo_corpus(seed=3, sizes={"train": 3000, "valid": 60, "test": 60})
+
+
+@pytest.fixture
+def tiny_data(tmp_path: Path, demo_pairs) -> Path:
+    data = tmp_path / "data"
+    data.mkdir()
+    for split, pairs in demo_pairs.items():
+        write_pairs(data, split, pairs)
+    return data
+
+
+@pytest.fixture
+def tiny_config_file(tmp_path: Path, tiny_data: Path) -> Path:
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(tiny_config_dict(tiny_data)))
+    return path
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)

@@ -1,0 +1,128 @@
+"""Config loading: every kind of mistake is named with its file and dotted key; overrides are validated too."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from seq2seq.config import Config, config_from_dict, load_config
+from seq2seq.errors import UserInputError
+
+from .conftest import tiny_config_dict
+
+
+def write(tmp_path: Path, raw) -> Path:
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(raw) if not isinstance(raw, str) else raw)
+    return path
+
+
+def error_of(path: Path, overrides=()) -> str:
+    with pytest.raises(UserInputError) as info:
+        load_config(path, list(overrides))
+    return str(info.value)
+
+
+def test_valid_config_loads_with_types(tmp_path, tiny_data):
+    config = load_config(write(tmp_path, tiny_config_dict(tiny_data)))
+    assert isinstance(config, Config)
+    assert config.model.d_model == 64
+    assert config.train.betas == (0.9, 0.98)
+    assert config.decode.beam == 2
+
+
+def test_unknown_key_suggests_the_closest(tmp_path, tiny_data):
+    raw = tiny_config_dict(tiny_data)
+    raw["train"]["lrr"] = 0.1
+    message = error_of(write(tmp_path, raw))
+    assert message == f"{tmp_path / 'c.yaml'}: train.lrr: unknown key; did you mean 'train.lr'?"
+
+
+def test_unknown_section_lists_the_valid_ones(tmp_path, tiny_data):
+    raw = tiny_config_dict(tiny_data)
+    raw["optimiser"] = {}
+    assert "optimiser: unknown key" in error_of(write(tmp_path, raw))
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "value", "expected"),
+    [
+        ("model", "d_model", "big", "model.d_model: expected an integer, got 'big'"),
+        ("model", "d_model", 102, "model.d_model: expected a multiple of heads (4), got 102"),
+        ("model", "norm", "middle", "model.norm: expected one of post, pre; got 'middle'"),
+        ("train", "warmup_steps", -1, "train.warmup_steps: expected a number >= 0"),
+        ("train", "lr", "fast", "train.lr: expected a number, got 'fast'"),
+        ("train", "betas", [0.9], "train.betas: expected a list of 2 items, got a list"),
+        ("train", "precision", "fp8", "train.precision: expected one of fp32, bf16, fp16; got 'fp8'"),
+        ("decode", "nbest", 9, "decode.nbest: expected at most beam (2), got 9"),
+        ("tokenizer", "joint", "yes", "tokenizer.joint: expected true or false, got 'yes'"),
+    ],
+)
+def test_bad_values_name_file_key_and_expectation(tmp_path, tiny_data, section, key, value, expected):
+    raw = tiny_config_dict(tiny_data)
+    raw[section][key] = value
+    path = write(tmp_path, raw)
+    assert error_of(path) == f"{path}: {expected}"
+
+
+def test_all_problems_are_reported_together(tmp_path, tiny_data):
+    raw = tiny_config_dict(tiny_data)
+    raw["model"]["heads"] = "four"
+    raw["train"]["max_steps"] = 0.5
+    raw["decode"]["bem"] = 3
+    lines = error_of(write(tmp_path, raw)).splitlines()
+    assert len(lines) == 3
+    assert {line.split(": ")[1] for line in lines} == {"model.heads", "train.max_steps", "decode.bem"}
+
+
+def test_missing_data_file_is_named(tmp_path, tiny_data):
+    raw = tiny_config_dict(tiny_data)
+    raw["data"]["valid"]["tgt"] = str(tmp_path / "nope.xx")
+    path = write(tmp_path, raw)
+    assert error_of(path) == f"{path}: data.valid.tgt: file not found: {tmp_path / 'nope.xx'}"
+
+
+def test_missing_required_section(tmp_path):
+    path = write(tmp_path, {"model": {"d_model": 64}})
+    assert error_of(path) == f"{path}: data: required key is missing"
+
+
+def test_format_specific_requirements(tmp_path, tiny_data):
+    raw = tiny_config_dict(tiny_data)
+    raw["data"]["train"] = {"format": "tsv"}
+    assert "data.train.path: format 'tsv' needs 'path'" in error_of(write(tmp_path, raw))
+
+
+def test_shared_embeddings_need_a_joint_vocabulary(tmp_path, tiny_data):
+    raw = tiny_config_dict(tiny_data)
+    raw["tokenizer"]["joint"] = False
+    assert "model.share_embeddings: needs tokenizer.joint: true" in error_of(write(tmp_path, raw))
+
+
+def test_yaml_syntax_error_names_the_line(tmp_path):
+    path = write(tmp_path, "data:\n  train: [unclosed\nmodel: {}\n")
+    assert error_of(path).startswith(f"{path}:")
+    assert "not valid YAML" in error_of(path)
+
+
+def test_missing_config_file(tmp_path):
+    assert error_of(tmp_path / "absent.yaml") == f"{tmp_path / 'absent.yaml'}: config file not found"
+
+
+def test_overrides_apply_with_the_same_validation(tmp_path, tiny_data):
+    path = write(tmp_path, tiny_config_dict(tiny_data))
+    config = load_config(path, ["train.lr=0.01", "model.norm=post", "train.betas=[0.8, 0.9]", "train.lr=1e-3"])
+    assert config.train.lr == 0.001
+    assert config.model.norm == "post"
+    assert config.train.betas == (0.8, 0.9)
+    assert error_of(path, ["train.lr=abc"]) == "--set train.lr: train.lr: expected a number, got 'abc'"
+    assert error_of(path, ["train.lrr=1"]) == "--set train.lrr: train.lrr: unknown key; did you mean 'train.lr'?"
+    assert "expected KEY=VALUE" in error_of(path, ["train.lr"])
+
+
+def test_resolved_config_round_trips(tmp_path, tiny_data):
+    config = load_config(write(tmp_path, tiny_config_dict(tiny_data)))
+    again = config_from_dict(yaml.safe_load(yaml.safe_dump(config.to_dict())), origin="saved")
+    assert again == config

@@ -1,0 +1,31 @@
+"""SentencePiece training, fixed special ids, round trips, joint and per-language vocabularies."""
+
+from __future__ import annotations
+
+from seq2seq.config import TokenizerConfig
+from seq2seq.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, train_tokenizer
+
+
+def test_joint_tokenizer_round_trip_and_special_ids(demo_pairs, tmp_path):
+    src, tgt = zip(*demo_pairs["train"])
+    tokenizer = train_tokenizer(TokenizerConfig(vocab_size=300), src, tgt)
+    assert tokenizer.joint
+    model = tokenizer.src_model
+    assert (model.pad_id(), model.unk_id(), model.bos_id(), model.eos_id()) == (PAD_ID, UNK_ID, BOS_ID, EOS_ID)
+    ids = tokenizer.encode_src([src[0]])[0]
+    assert ids[-1] == EOS_ID and PAD_ID not in ids
+    assert tokenizer.decode_tgt(tokenizer.encode_tgt([tgt[0]])[0]) == tgt[0]
+    tokenizer.save(tmp_path / "tok")
+    again = Tokenizer.load(tmp_path / "tok")
+    assert again.encode_tgt(list(tgt[:20])) == tokenizer.encode_tgt(list(tgt[:20]))
+
+
+def test_separate_vocabularies_and_sampling(demo_pairs):
+    src, tgt = zip(*demo_pairs["train"])
+    config = TokenizerConfig(vocab_size=200, joint=False, model_type="bpe", sample_sentences=500)
+    tokenizer = train_tokenizer(config, src, tgt)
+    assert not tokenizer.joint
+    assert set(tokenizer.protos()) == {"src", "tgt"}
+    assert tokenizer.decode_tgt(tokenizer.encode_tgt([tgt[5]])[0]) == tgt[5]
+    restored = Tokenizer.from_protos(tokenizer.protos())
+    assert restored.encode_src([src[3]]) == tokenizer.encode_src([src[3]])
