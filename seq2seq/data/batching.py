@@ -1,0 +1,88 @@
+"""The `Batch` type and token-budgeted batches built from length-sorted sentences (fairseq style).
+
+Sorting by length before cutting batches keeps padding low; shuffling the batch order per epoch
+with a (seed, epoch) generator keeps training random yet exactly reproducible and resumable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from seq2seq.data.encoded import EncodedCorpus
+from seq2seq.tokenizer import BOS_ID, EOS_ID, PAD_ID
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Padded source ids and the teacher-forcing pair: tgt_in = BOS + y, tgt_out = y + EOS."""
+
+    src: Tensor  # (B, S)
+    tgt_in: Tensor  # (B, T)
+    tgt_out: Tensor  # (B, T)
+    num_tokens: int  # real target tokens (EOS included): the loss is normalised by this
+
+    def to(self, device: torch.device) -> Batch:
+        return Batch(
+            self.src.to(device, non_blocking=True),
+            self.tgt_in.to(device, non_blocking=True),
+            self.tgt_out.to(device, non_blocking=True),
+            self.num_tokens,
+        )
+
+
+def pad(sequences: Sequence[np.ndarray | list[int]]) -> Tensor:
+    """Right-pad id sequences with PAD into a (B, max_len) long tensor."""
+    out = np.full((len(sequences), max(len(s) for s in sequences)), PAD_ID, dtype=np.int64)
+    for row, seq in enumerate(sequences):
+        out[row, : len(seq)] = seq
+    return torch.from_numpy(out)
+
+
+def collate(src: Sequence[np.ndarray], tgt: Sequence[np.ndarray]) -> Batch:
+    tgt_in = pad([np.concatenate([[BOS_ID], t]) for t in tgt])
+    tgt_out = pad([np.concatenate([t, [EOS_ID]]) for t in tgt])
+    return Batch(pad(src), tgt_in, tgt_out, int(sum(len(t) + 1 for t in tgt)))
+
+
+def token_batches(lengths: np.ndarray, *, max_tokens: int, order_noise: np.ndarray | None = None) -> list[np.ndarray]:
+    """Cut length-sorted indices into batches whose padded size (count * longest) fits max_tokens.
+
+    `order_noise` breaks ties between equal lengths randomly; a sentence longer than max_tokens
+    gets a batch of its own.
+    """
+    keys = (np.zeros(len(lengths)) if order_noise is None else order_noise, lengths)
+    order = np.lexsort(keys)
+    batches, start, longest = [], 0, 0
+    for position, index in enumerate(order):
+        longest_with = max(longest, int(lengths[index]))
+        if position > start and (position - start + 1) * longest_with > max_tokens:
+            batches.append(order[start:position])
+            start, longest_with = position, int(lengths[index])
+        longest = longest_with
+    if start < len(order):
+        batches.append(order[start:])
+    return batches
+
+
+def epoch_batches(corpus: EncodedCorpus, *, max_tokens: int, seed: int, epoch: int) -> list[np.ndarray]:
+    """The training batches of one epoch, in a shuffled order fixed by (seed, epoch)."""
+    rng = np.random.default_rng([seed, epoch])
+    lengths = np.maximum(corpus.src.lengths(), corpus.tgt.lengths() + 1)
+    batches = token_batches(lengths, max_tokens=max_tokens, order_noise=rng.random(len(lengths)))
+    return [batches[i] for i in rng.permutation(len(batches))]
+
+
+def make_batch(corpus: EncodedCorpus, indices: np.ndarray) -> Batch:
+    return collate([corpus.src[i] for i in indices], [corpus.tgt[i] for i in indices])
+
+
+def padding_fraction(corpus: EncodedCorpus, batches: list[np.ndarray]) -> float:
+    """Share of target positions in the batches that are padding (wasted work)."""
+    lengths = corpus.tgt.lengths() + 1
+    padded = sum(len(b) * int(lengths[b].max()) for b in batches)
+    return 1.0 - float(lengths.sum()) / padded if padded else 0.0

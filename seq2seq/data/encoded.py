@@ -1,0 +1,94 @@
+"""Token ids of a whole corpus held as flat numpy arrays plus offsets (no per-sentence Python lists)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from seq2seq.errors import UserInputError
+from seq2seq.tokenizer import Tokenizer
+
+ENCODE_CHUNK = 50_000  # sentences per tokenizer call: bounds the temporary Python lists
+
+
+@dataclass(frozen=True)
+class RaggedIds:
+    """Sentence i is ids[offsets[i]:offsets[i + 1]]."""
+
+    ids: np.ndarray  # int32
+    offsets: np.ndarray  # int64, length n + 1
+
+    @classmethod
+    def from_lists(cls, sequences: list[list[int]]) -> RaggedIds:
+        lengths = np.fromiter((len(s) for s in sequences), dtype=np.int64, count=len(sequences))
+        offsets = np.zeros(len(sequences) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        ids = np.fromiter((i for s in sequences for i in s), dtype=np.int32, count=int(offsets[-1]))
+        return cls(ids, offsets)
+
+    @classmethod
+    def concatenate(cls, parts: list[RaggedIds]) -> RaggedIds:
+        ids = np.concatenate([p.ids for p in parts]) if parts else np.zeros(0, np.int32)
+        offsets, start = [np.zeros(1, np.int64)], 0
+        for part in parts:
+            offsets.append(part.offsets[1:] + start)
+            start += int(part.offsets[-1])
+        return cls(ids, np.concatenate(offsets))
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        return self.ids[self.offsets[index] : self.offsets[index + 1]]
+
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def subset(self, keep: np.ndarray) -> RaggedIds:
+        return RaggedIds.from_lists([self[i].tolist() for i in np.flatnonzero(keep)])
+
+
+@dataclass(frozen=True)
+class EncodedCorpus:
+    src: RaggedIds  # source ids, ending with EOS
+    tgt: RaggedIds  # target ids, without BOS/EOS
+
+    def __len__(self) -> int:
+        return len(self.src)
+
+
+@dataclass(frozen=True)
+class FilterReport:
+    kept: int
+    too_long: int
+    bad_ratio: int
+
+    def describe(self) -> str:
+        return f"kept {self.kept} pairs; removed {self.too_long} too long, {self.bad_ratio} with a bad length ratio"
+
+
+def encode_corpus(tokenizer: Tokenizer, src: list[str], tgt: list[str]) -> EncodedCorpus:
+    """Encode sentences in chunks with all cores (SentencePiece threads)."""
+    chunks = range(0, len(src), ENCODE_CHUNK)
+    return EncodedCorpus(
+        RaggedIds.concatenate([RaggedIds.from_lists(tokenizer.encode_src(src[i : i + ENCODE_CHUNK])) for i in chunks]),
+        RaggedIds.concatenate([RaggedIds.from_lists(tokenizer.encode_tgt(tgt[i : i + ENCODE_CHUNK])) for i in chunks]),
+    )
+
+
+def filter_corpus(
+    corpus: EncodedCorpus, *, max_length: int, max_ratio: float, name: str
+) -> tuple[EncodedCorpus, FilterReport]:
+    """Drop pairs longer than max_length tokens on either side, or with a length ratio over max_ratio."""
+    src_len, tgt_len = corpus.src.lengths(), corpus.tgt.lengths() + 1  # +1: the EOS added in batches
+    too_long = (src_len > max_length) | (tgt_len > max_length)
+    ratio = np.maximum(src_len, tgt_len) / np.maximum(np.minimum(src_len, tgt_len), 1)
+    bad_ratio = ~too_long & (ratio > max_ratio) if max_ratio > 0 else np.zeros_like(too_long)
+    keep = ~(too_long | bad_ratio)
+    report = FilterReport(int(keep.sum()), int(too_long.sum()), int(bad_ratio.sum()))
+    if report.kept == 0:
+        raise UserInputError(f"{name}: no sentence pairs left after filtering ({report.describe()})")
+    if keep.all():
+        return corpus, report
+    return EncodedCorpus(corpus.src.subset(keep), corpus.tgt.subset(keep)), report

@@ -1,0 +1,163 @@
+"""Read parallel text from plain files, TSV, JSONL or HuggingFace datasets, with clear errors on bad input.
+
+Every line is decoded as UTF-8 (a bad byte names the file and line), stripped of a BOM and CRLF, and
+NFC-normalised so that visually equal text gets equal token ids.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import unicodedata
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+from seq2seq.config import CorpusConfig
+from seq2seq.errors import UserInputError
+
+
+@dataclass
+class ParallelText:
+    """Aligned source and target sentences; `dropped_empty` counts pairs removed for an empty side."""
+
+    src: list[str]
+    tgt: list[str]
+    dropped_empty: int = 0
+
+    def __len__(self) -> int:
+        return len(self.src)
+
+
+def read_corpus(corpus: CorpusConfig, *, src_lang: str, tgt_lang: str, key: str) -> ParallelText:
+    """Read one split; `key` (e.g. 'data.train') names the config section in error messages."""
+    if corpus.format == "text":
+        src, tgt = list(read_lines(corpus.src)), list(read_lines(corpus.tgt))
+        if len(src) != len(tgt):
+            raise UserInputError(
+                f"{key}: {corpus.src} has {len(src)} lines but {corpus.tgt} has {len(tgt)}; "
+                "parallel files need one sentence per line on both sides"
+            )
+        pairs = zip(src, tgt)
+    elif corpus.format == "tsv":
+        pairs = _tsv_pairs(corpus.path)
+    elif corpus.format == "jsonl":
+        pairs = _jsonl_pairs(corpus.path, corpus.src_field, corpus.tgt_field)
+    else:
+        pairs = _hf_pairs(corpus, src_lang=src_lang, tgt_lang=tgt_lang, key=key)
+    return _drop_empty(pairs)
+
+
+def read_lines(path: str | Path) -> Iterator[str]:
+    """Normalised lines of a UTF-8 text file (optionally .gz)."""
+    path = str(path)
+    opener = gzip.open if path.endswith(".gz") else open
+    try:
+        with opener(path, "rb") as handle:
+            yield from decode_lines(handle, path)
+    except FileNotFoundError:
+        raise UserInputError(f"{path}: file not found") from None
+    except (gzip.BadGzipFile, EOFError) as exc:
+        raise UserInputError(f"{path}: not a readable gzip file ({exc})") from None
+
+
+def decode_lines(handle: BinaryIO, name: str) -> Iterator[str]:
+    """Normalised lines of a binary stream; `name` identifies it in the error for a non-UTF-8 line."""
+    for number, raw in enumerate(handle, 1):
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise UserInputError(f"{name}:{number}: not valid UTF-8 (bad byte at column {exc.start + 1})") from None
+        yield normalize(text)
+
+
+def normalize(text: str) -> str:
+    return unicodedata.normalize("NFC", text.lstrip("\ufeff").strip())
+
+
+def _tsv_pairs(path: str) -> Iterator[tuple[str, str]]:
+    for number, line in enumerate(read_lines(path), 1):
+        if not line:
+            continue
+        if "\t" not in line:
+            raise UserInputError(f"{path}:{number}: expected source<TAB>target, found no tab")
+        src, tgt = line.split("\t")[:2]
+        yield src.strip(), tgt.strip()
+
+
+def _jsonl_pairs(path: str, src_field: str, tgt_field: str) -> Iterator[tuple[str, str]]:
+    for number, line in enumerate(read_lines(path), 1):
+        if not line:
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UserInputError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
+        if not isinstance(record, dict):
+            raise UserInputError(f"{path}:{number}: expected a JSON object with '{src_field}' and '{tgt_field}'")
+        for field in (src_field, tgt_field):
+            if not isinstance(record.get(field), str):
+                raise UserInputError(f"{path}:{number}: missing string field '{field}'")
+        yield normalize(record[src_field]), normalize(record[tgt_field])
+
+
+def _hf_pairs(corpus: CorpusConfig, *, src_lang: str, tgt_lang: str, key: str) -> Iterator[tuple[str, str]]:
+    dataset = _load_hf(corpus, key)
+    columns = dataset.column_names
+    if "translation" in columns:
+        languages = set(dataset[0]["translation"]) if len(dataset) else set()
+        missing = [lang for lang in (src_lang, tgt_lang) if lang not in languages]
+        if missing:
+            raise UserInputError(
+                f"{key}: the dataset's 'translation' column has languages {sorted(languages)}, "
+                f"not {missing} (set data.src_lang / data.tgt_lang)"
+            )
+        for row in dataset["translation"]:
+            yield normalize(row[src_lang]), normalize(row[tgt_lang])
+    elif corpus.src_field in columns and corpus.tgt_field in columns:
+        for src, tgt in zip(dataset[corpus.src_field], dataset[corpus.tgt_field]):
+            yield normalize(src), normalize(tgt)
+    else:
+        raise UserInputError(
+            f"{key}: the dataset has columns {columns}; expected 'translation' or "
+            f"'{corpus.src_field}' and '{corpus.tgt_field}' (set {key}.src_field / {key}.tgt_field)"
+        )
+
+
+_DATA_FILE_BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".json": "json", ".jsonl": "json", ".csv": "csv"}
+
+
+def _load_hf(corpus: CorpusConfig, key: str):
+    """A datasets.Dataset from the hub (name/subset/split) or a local folder or file."""
+    import datasets  # imported here: it is slow to import and only this source needs it
+
+    try:
+        if corpus.path and Path(corpus.path).is_dir():
+            loaded = datasets.load_from_disk(corpus.path)
+            return loaded[corpus.split] if isinstance(loaded, datasets.DatasetDict) else loaded
+        if corpus.path:
+            builder = _DATA_FILE_BUILDERS.get(Path(corpus.path).suffix)
+            if builder is None:
+                raise UserInputError(
+                    f"{key}.path: {corpus.path}: expected a save_to_disk folder or a "
+                    f"{'/'.join(_DATA_FILE_BUILDERS)} file"
+                )
+            return datasets.load_dataset(builder, data_files=corpus.path, split="train")
+        return datasets.load_dataset(corpus.name, corpus.subset, split=corpus.split)
+    except UserInputError:
+        raise
+    except Exception as exc:  # datasets raises many types (network, missing config, bad split)
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserInputError(f"{key}: could not load the dataset: {first_line}") from None
+
+
+def _drop_empty(pairs) -> ParallelText:
+    text = ParallelText([], [])
+    for src, tgt in pairs:
+        if src and tgt:
+            text.src.append(src)
+            text.tgt.append(tgt)
+        else:
+            text.dropped_empty += 1
+    return text
