@@ -1,0 +1,206 @@
+"""Transformer building blocks: multi-head attention with a KV cache, feed-forward, encoder and decoder layers.
+
+Weights use the standard layout (separate q/k/v/out projections, fc1/fc2, one LayerNorm per
+sub-layer) so they map one-to-one onto fairseq/Marian/CTranslate2 Transformer checkpoints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass
+class LayerCache:
+    """One decoder layer's cached keys/values, each (B, heads, T, head_dim)."""
+
+    self_k: Tensor | None = None
+    self_v: Tensor | None = None
+    cross_k: Tensor | None = None
+    cross_v: Tensor | None = None
+
+
+class DecoderCache:
+    """Per-layer caches for incremental decoding; `length` is how many target positions are cached."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.layers = [LayerCache() for _ in range(num_layers)]
+
+    @property
+    def length(self) -> int:
+        first = self.layers[0].self_k
+        return 0 if first is None else first.size(2)
+
+    def reorder(self, rows: Tensor) -> None:
+        """Keep (and repeat) only the given rows of the self-attention cache, e.g. surviving beams.
+
+        The cross-attention cache is left alone: beams of one sentence share the same encoder output.
+        """
+        for layer in self.layers:
+            layer.self_k = layer.self_k.index_select(0, rows)
+            layer.self_v = layer.self_v.index_select(0, rows)
+
+    def select(self, rows: Tensor) -> None:
+        """Keep only the given rows of every cache (sentences leaving the batch)."""
+        self.reorder(rows)
+        for layer in self.layers:
+            layer.cross_k = layer.cross_k.index_select(0, rows)
+            layer.cross_v = layer.cross_v.index_select(0, rows)
+
+
+class MultiHeadAttention(nn.Module):
+    """Scaled dot-product attention over `heads` subspaces, fused through F.scaled_dot_product_attention."""
+
+    def __init__(self, d_model: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.heads = heads
+        self.dropout = dropout
+        self.q_proj = nn.Linear(d_model, d_model)
+        self.k_proj = nn.Linear(d_model, d_model)
+        self.v_proj = nn.Linear(d_model, d_model)
+        self.out_proj = nn.Linear(d_model, d_model)
+
+    def split_heads(self, x: Tensor) -> Tensor:
+        batch, length, d_model = x.shape
+        return x.view(batch, length, self.heads, d_model // self.heads).transpose(1, 2)  # (B, h, T, hd)
+
+    def project_kv(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return self.split_heads(self.k_proj(x)), self.split_heads(self.v_proj(x))
+
+    def attend(self, query: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, is_causal: bool = False) -> Tensor:
+        """query (B, Tq, d) against k, v (B, h, Tk, hd); mask broadcasts to (B, h, Tq, Tk), True = may attend."""
+        q = self.split_heads(self.q_proj(query))
+        dropout = self.dropout if self.training else 0.0
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal)
+        batch, heads, length, head_dim = out.shape
+        return self.out_proj(out.transpose(1, 2).reshape(batch, length, heads * head_dim))  # (B, Tq, d)
+
+    def weights(self, query: Tensor, k: Tensor, mask: Tensor | None) -> Tensor:
+        """The attention probabilities (B, h, Tq, Tk), for plots; the fused kernel does not return them."""
+        q = self.split_heads(self.q_proj(query))
+        scores = q @ k.transpose(-2, -1) / q.size(-1) ** 0.5
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return scores.softmax(-1)
+
+
+class FeedForward(nn.Module):
+    """Position-wise fc2(dropout(act(fc1(x))))."""
+
+    def __init__(self, d_model: int, ffn_dim: int, dropout: float, activation: str) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d_model, ffn_dim)
+        self.fc2 = nn.Linear(ffn_dim, d_model)
+        self.dropout = nn.Dropout(dropout)
+        self.activation = F.gelu if activation == "gelu" else F.relu
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(self.dropout(self.activation(self.fc1(x))))
+
+
+class _Residual(nn.Module):
+    """x + dropout(sublayer(x)) with its LayerNorm before (pre-norm) or after (post-norm, the paper)."""
+
+    def __init__(self, d_model: int, dropout: float, pre_norm: bool) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d_model)
+        self.dropout = nn.Dropout(dropout)
+        self.pre_norm = pre_norm
+
+    def forward(self, x: Tensor, sublayer) -> Tensor:
+        if self.pre_norm:
+            return x + self.dropout(sublayer(self.norm(x)))
+        return self.norm(x + self.dropout(sublayer(x)))
+
+
+class EncoderLayer(nn.Module):
+    def __init__(
+        self,
+        d_model: int,
+        heads: int,
+        ffn_dim: int,
+        *,
+        dropout: float,
+        attention_dropout: float,
+        activation_dropout: float,
+        activation: str,
+        pre_norm: bool,
+    ) -> None:
+        super().__init__()
+        self.self_attn = MultiHeadAttention(d_model, heads, attention_dropout)
+        self.ffn = FeedForward(d_model, ffn_dim, activation_dropout, activation)
+        self.self_attn_block = _Residual(d_model, dropout, pre_norm)
+        self.ffn_block = _Residual(d_model, dropout, pre_norm)
+
+    def forward(self, x: Tensor, src_mask: Tensor) -> Tensor:
+        """x (B, S, d); src_mask (B, 1, 1, S), True on real tokens."""
+
+        def self_attention(h: Tensor) -> Tensor:
+            return self.self_attn.attend(h, *self.self_attn.project_kv(h), mask=src_mask)
+
+        x = self.self_attn_block(x, self_attention)
+        return self.ffn_block(x, self.ffn)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self,
+        d_model: int,
+        heads: int,
+        ffn_dim: int,
+        *,
+        dropout: float,
+        attention_dropout: float,
+        activation_dropout: float,
+        activation: str,
+        pre_norm: bool,
+    ) -> None:
+        super().__init__()
+        self.self_attn = MultiHeadAttention(d_model, heads, attention_dropout)
+        self.cross_attn = MultiHeadAttention(d_model, heads, attention_dropout)
+        self.ffn = FeedForward(d_model, ffn_dim, activation_dropout, activation)
+        self.self_attn_block = _Residual(d_model, dropout, pre_norm)
+        self.cross_attn_block = _Residual(d_model, dropout, pre_norm)
+        self.ffn_block = _Residual(d_model, dropout, pre_norm)
+
+    def forward(self, x: Tensor, memory: Tensor, src_mask: Tensor, cache: LayerCache | None) -> Tensor:
+        """x (B, T, d) new target positions; memory (B, S, d). With a cache, earlier positions come from it."""
+        x = self.self_attn_block(x, lambda h: self._self_attention(h, cache))
+        x = self.cross_attn_block(
+            x, lambda h: self.cross_attn.attend(h, *self._memory_kv(memory, cache), mask=src_mask)
+        )
+        return self.ffn_block(x, self.ffn)
+
+    def cross_attention_weights(self, x: Tensor, memory: Tensor, src_mask: Tensor) -> Tensor:
+        """Cross-attention probabilities (B, h, T, S) of this layer, given its input x (B, T, d)."""
+        h = self.self_attn_block(x, lambda y: self._self_attention(y, None))
+        query = self.cross_attn_block.norm(h) if self.cross_attn_block.pre_norm else h
+        k, _ = self.cross_attn.project_kv(memory)
+        return self.cross_attn.weights(query, k, src_mask)
+
+    def _self_attention(self, h: Tensor, cache: LayerCache | None) -> Tensor:
+        k, v = self.self_attn.project_kv(h)
+        if cache is None:  # teacher forcing: the whole prefix at once, the future masked
+            return self.self_attn.attend(h, k, v, mask=None, is_causal=True)
+        past = 0 if cache.self_k is None else cache.self_k.size(2)
+        if past:
+            k, v = torch.cat([cache.self_k, k], dim=2), torch.cat([cache.self_v, v], dim=2)
+        cache.self_k, cache.self_v = k, v
+        return self.self_attn.attend(h, k, v, mask=_causal_mask(h.size(1), past, h.device))
+
+    def _memory_kv(self, memory: Tensor, cache: LayerCache | None) -> tuple[Tensor, Tensor]:
+        if cache is None:
+            return self.cross_attn.project_kv(memory)
+        if cache.cross_k is None:  # computed once per sentence, reused at every step
+            cache.cross_k, cache.cross_v = self.cross_attn.project_kv(memory)
+        return cache.cross_k, cache.cross_v
+
+
+def _causal_mask(new: int, past: int, device: torch.device) -> Tensor | None:
+    """(new, past + new) bool mask letting position past+i see positions <= past+i; None when new == 1."""
+    if new == 1:
+        return None
+    return torch.ones(new, past + new, dtype=torch.bool, device=device).tril(diagonal=past)

@@ -1,0 +1,118 @@
+"""The encoder-decoder Transformer of "Attention Is All You Need", with an incremental decoder.
+
+Interface used by training and search alike:
+    memory = model.encode(src, src_mask)
+    logits = model.decode(tgt, memory, src_mask, cache=None)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from seq2seq.config import ModelConfig
+from seq2seq.layers import DecoderCache, DecoderLayer, EncoderLayer
+from seq2seq.tokenizer import PAD_ID
+
+
+def sinusoidal_positions(positions: Tensor, d_model: int) -> Tensor:
+    """(T,) integer positions -> (T, d_model): sin on even dimensions, cos on odd ones, any length."""
+    frequencies = torch.exp(
+        torch.arange(0, d_model, 2, device=positions.device, dtype=torch.float32) * (-math.log(10000.0) / d_model)
+    )
+    angles = positions.float()[:, None] * frequencies[None, :]  # (T, d/2)
+    return torch.stack([angles.sin(), angles.cos()], dim=-1).flatten(1)  # interleave: (T, d)
+
+
+def padding_mask(tokens: Tensor) -> Tensor:
+    """(B, S) ids -> (B, 1, 1, S) bool, True where a real token may be attended to."""
+    return (tokens != PAD_ID)[:, None, None, :]
+
+
+class Seq2SeqTransformer(nn.Module):
+    def __init__(self, config: ModelConfig, *, src_vocab_size: int, tgt_vocab_size: int) -> None:
+        super().__init__()
+        self.config = config
+        d_model = config.d_model
+        self.src_embed = nn.Embedding(src_vocab_size, d_model, padding_idx=PAD_ID)
+        self.tgt_embed = (
+            self.src_embed if config.share_embeddings else nn.Embedding(tgt_vocab_size, d_model, padding_idx=PAD_ID)
+        )
+        layer_args = dict(
+            dropout=config.dropout,
+            attention_dropout=config.attention_dropout,
+            activation_dropout=config.activation_dropout,
+            activation=config.activation,
+            pre_norm=config.norm == "pre",
+        )
+        heads, ffn = config.heads, config.ffn_dim
+        self.encoder_layers = nn.ModuleList(
+            EncoderLayer(d_model, heads, ffn, **layer_args) for _ in range(config.encoder_layers)
+        )
+        self.decoder_layers = nn.ModuleList(
+            DecoderLayer(d_model, heads, ffn, **layer_args) for _ in range(config.decoder_layers)
+        )
+        # Pre-norm leaves the residual stream unnormalised, so each stack ends with a LayerNorm.
+        self.encoder_norm = nn.LayerNorm(d_model) if config.norm == "pre" else nn.Identity()
+        self.decoder_norm = nn.LayerNorm(d_model) if config.norm == "pre" else nn.Identity()
+        self.output_proj = nn.Linear(d_model, tgt_vocab_size, bias=False)
+        self.dropout = nn.Dropout(config.dropout)
+        self._init_weights()
+        if config.share_embeddings or config.tie_output:  # the paper shares the pre-softmax weights too
+            self.output_proj.weight = self.tgt_embed.weight
+
+    def _init_weights(self) -> None:
+        for name, param in self.named_parameters():
+            if name.endswith("bias"):
+                nn.init.zeros_(param)
+            elif "embed" in name:  # N(0, d^-1/2): unit variance after the sqrt(d) scaling
+                nn.init.normal_(param, mean=0.0, std=self.config.d_model**-0.5)
+            elif param.dim() == 2:
+                nn.init.xavier_uniform_(param)
+        for embedding in (self.src_embed, self.tgt_embed):
+            nn.init.zeros_(embedding.weight[PAD_ID])
+
+    def _embed(self, embedding: nn.Embedding, tokens: Tensor, start: int) -> Tensor:
+        positions = torch.arange(start, start + tokens.size(1), device=tokens.device)
+        x = embedding(tokens) * math.sqrt(self.config.d_model)
+        return self.dropout(x + sinusoidal_positions(positions, self.config.d_model).to(x.dtype))
+
+    def encode(self, src: Tensor, src_mask: Tensor) -> Tensor:
+        """src (B, S) ids, src_mask (B, 1, 1, S) -> memory (B, S, d)."""
+        x = self._embed(self.src_embed, src, 0)
+        for layer in self.encoder_layers:
+            x = layer(x, src_mask)
+        return self.encoder_norm(x)
+
+    def decode_hidden(self, tgt: Tensor, memory: Tensor, src_mask: Tensor, cache: DecoderCache | None = None) -> Tensor:
+        """tgt (B, T) ids -> decoder output (B, T, d); with a cache, tgt holds only the new positions."""
+        x = self._embed(self.tgt_embed, tgt, 0 if cache is None else cache.length)
+        for index, layer in enumerate(self.decoder_layers):
+            x = layer(x, memory, src_mask, None if cache is None else cache.layers[index])
+        return self.decoder_norm(x)
+
+    def decode(self, tgt: Tensor, memory: Tensor, src_mask: Tensor, cache: DecoderCache | None = None) -> Tensor:
+        """tgt (B, T) ids -> logits (B, T, V)."""
+        return self.output_proj(self.decode_hidden(tgt, memory, src_mask, cache))
+
+    def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
+        """Teacher forcing: logits (B, T, V) for every target position at once."""
+        src_mask = padding_mask(src)
+        return self.decode(tgt_in, self.encode(src, src_mask), src_mask)
+
+    def new_cache(self) -> DecoderCache:
+        return DecoderCache(len(self.decoder_layers))
+
+    @torch.no_grad()
+    def cross_attention(self, src: Tensor, tgt_in: Tensor) -> Tensor:
+        """Cross-attention probabilities (layers, B, heads, T, S) for a teacher-forced target, for plots."""
+        src_mask = padding_mask(src)
+        memory = self.encode(src, src_mask)
+        x = self._embed(self.tgt_embed, tgt_in, 0)
+        maps = []
+        for layer in self.decoder_layers:
+            maps.append(layer.cross_attention_weights(x, memory, src_mask))
+            x = layer(x, memory, src_mask, None)
+        return torch.stack(maps)

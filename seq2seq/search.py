@@ -1,0 +1,154 @@
+"""Greedy and beam search, batched over sentences, on any model with `encode`, `decode` and `new_cache`.
+
+The beam update is the pure function `beam_step`; the loops around it only call the model, keep
+finished hypotheses and drop finished sentences from the batch so that later steps cost less.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from seq2seq.config import DecodeConfig
+from seq2seq.model import padding_mask
+from seq2seq.tokenizer import BOS_ID, EOS_ID, PAD_ID
+
+
+@dataclass(frozen=True)
+class Hypothesis:
+    tokens: list[int]  # without BOS/EOS
+    score: float  # length-normalised log-probability
+    log_prob: float  # plain sum of token log-probabilities (EOS included when emitted)
+
+
+def max_output_lengths(src: Tensor, config: DecodeConfig) -> Tensor:
+    """(B,) the most tokens each sentence may produce: a * source_length + b."""
+    src_lengths = (src != PAD_ID).sum(1)
+    return (config.max_len_a * src_lengths.float() + config.max_len_b).floor().long().clamp(min=1)
+
+
+def length_normalized(log_prob: float, length: int, config: DecodeConfig) -> float:
+    """`length` counts the output tokens including EOS."""
+    if config.length_norm == "average":
+        return log_prob / length
+    if config.length_norm == "gnmt":
+        return log_prob / ((5 + length) / 6) ** config.length_penalty
+    return log_prob
+
+
+def beam_step(log_probs: Tensor, scores: Tensor, width: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Pick the `width` best continuations of every sentence's beams.
+
+    log_probs (B, K, V) for the next token of each beam, scores (B, K) of the beams so far.
+    Returns (scores, tokens, beam_ids), each (B, width), best first.
+    """
+    batch, beams, vocab = log_probs.shape
+    totals = (scores.unsqueeze(-1) + log_probs).view(batch, beams * vocab)
+    best, flat = totals.topk(width, dim=-1)
+    return best, flat % vocab, flat // vocab
+
+
+def _next_log_probs(logits: Tensor, step: int, max_lengths: Tensor, min_len: int) -> Tensor:
+    """(N, V) logits -> log-probs with PAD/BOS banned, EOS banned before min_len and forced at max length."""
+    log_probs = logits.float().log_softmax(-1)
+    log_probs[:, [PAD_ID, BOS_ID]] = -math.inf
+    if step < min_len:
+        log_probs[:, EOS_ID] = -math.inf
+    at_limit = max_lengths <= step
+    if at_limit.any():
+        log_probs[at_limit] = -math.inf
+        log_probs[at_limit, EOS_ID] = 0.0
+    return log_probs
+
+
+@torch.no_grad()
+def greedy_search(model, src: Tensor, config: DecodeConfig) -> list[list[Hypothesis]]:
+    """The most likely next token at every step, for a batch of source sentences (B, S)."""
+    src_mask = padding_mask(src)
+    memory = model.encode(src, src_mask)
+    cache = model.new_cache()
+    max_lengths = max_output_lengths(src, config)
+    active = torch.arange(src.size(0), device=src.device)  # original index of each row still decoding
+    last = torch.full((src.size(0), 1), BOS_ID, dtype=torch.long, device=src.device)
+    tokens: list[list[int]] = [[] for _ in range(src.size(0))]
+    log_probs_sum = [0.0] * src.size(0)
+    results: list[list[Hypothesis]] = [[] for _ in range(src.size(0))]
+    step = 0
+    while active.numel():
+        logits = model.decode(last, memory, src_mask, cache)[:, -1]
+        log_probs = _next_log_probs(logits, step, max_lengths, config.min_len)
+        best_log_prob, best = log_probs.max(-1)
+        done = best == EOS_ID
+        for index, token, value in zip(active.tolist(), best.tolist(), best_log_prob.tolist()):
+            log_probs_sum[index] += value
+            if token == EOS_ID:
+                score = length_normalized(log_probs_sum[index], len(tokens[index]) + 1, config)
+                results[index] = [Hypothesis(tokens[index], score, log_probs_sum[index])]
+            else:
+                tokens[index].append(token)
+        step += 1
+        if done.any():
+            keep = (~done).nonzero().squeeze(1)
+            active, best, max_lengths = active[keep], best[keep], max_lengths[keep]
+            memory, src_mask = memory.index_select(0, keep), src_mask.index_select(0, keep)
+            cache.select(keep)
+        last = best.unsqueeze(1)
+    return results
+
+
+@torch.no_grad()
+def beam_search(model, src: Tensor, config: DecodeConfig) -> list[list[Hypothesis]]:
+    """Batched beam search; each sentence keeps its `nbest` best finished hypotheses, best first."""
+    beam = config.beam
+    batch = src.size(0)
+    src_mask = padding_mask(src).repeat_interleave(beam, dim=0)
+    memory = model.encode(src, padding_mask(src)).repeat_interleave(beam, dim=0)  # (B*K, S, d)
+    cache = model.new_cache()
+    max_lengths = max_output_lengths(src, config)
+    active = torch.arange(batch, device=src.device)
+    scores = torch.full((batch, beam), -math.inf, device=src.device)
+    scores[:, 0] = 0.0  # all beams start identical: only the first may expand
+    prefixes = torch.full((batch * beam, 1), BOS_ID, dtype=torch.long, device=src.device)
+    finished: list[list[Hypothesis]] = [[] for _ in range(batch)]
+    step = 0
+    while active.numel():
+        logits = model.decode(prefixes[:, -1:], memory, src_mask, cache)[:, -1]
+        row_max = max_lengths.repeat_interleave(beam)
+        log_probs = _next_log_probs(logits, step, row_max, config.min_len).view(active.numel(), beam, -1)
+        cand_scores, cand_tokens, cand_beams = beam_step(log_probs, scores, 2 * beam)
+        # An EOS among the top `beam` candidates ends a hypothesis (fairseq's rule; keeps beam 1 == greedy).
+        eos_hits = (cand_tokens[:, :beam] == EOS_ID) & (cand_scores[:, :beam] > -math.inf)
+        for row, rank in eos_hits.nonzero().tolist():
+            beam_row = row * beam + cand_beams[row, rank].item()
+            hyp_tokens = prefixes[beam_row, 1:].tolist()
+            total = cand_scores[row, rank].item()
+            score = length_normalized(total, len(hyp_tokens) + 1, config)
+            finished[active[row].item()].append(Hypothesis(hyp_tokens, score, total))
+        # The best `beam` non-EOS candidates continue.
+        open_scores = cand_scores.masked_fill(cand_tokens == EOS_ID, -math.inf)
+        scores, pick = open_scores.topk(beam, dim=-1)
+        tokens, beams = cand_tokens.gather(1, pick), cand_beams.gather(1, pick)
+        rows = (torch.arange(active.numel(), device=src.device).unsqueeze(1) * beam + beams).view(-1)
+        cache.reorder(rows)
+        prefixes = torch.cat([prefixes.index_select(0, rows), tokens.view(-1, 1)], dim=1)
+        step += 1
+        enough = torch.tensor([len(finished[i]) >= beam for i in active.tolist()], device=src.device)
+        done = enough | (max_lengths < step)  # past its length limit every beam was forced to end
+        if done.any():
+            keep = (~done).nonzero().squeeze(1)
+            keep_rows = (keep.unsqueeze(1) * beam + torch.arange(beam, device=src.device)).view(-1)
+            active, scores, max_lengths = active[keep], scores[keep], max_lengths[keep]
+            prefixes = prefixes.index_select(0, keep_rows)
+            memory, src_mask = memory.index_select(0, keep_rows), src_mask.index_select(0, keep_rows)
+            cache.select(keep_rows)
+    return [sorted(hyps, key=lambda h: h.score, reverse=True)[: config.nbest] for hyps in finished]
+
+
+def search(model, src: Tensor, config: DecodeConfig) -> list[list[Hypothesis]]:
+    """Greedy when beam is 1 and one hypothesis is asked for, beam search otherwise."""
+    if config.beam == 1:
+        return greedy_search(model, src, config)
+    return beam_search(model, src, config)

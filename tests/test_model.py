@@ -1,0 +1,208 @@
+"""The Transformer: parity with torch.nn.Transformer, masks that block what they must, cache == full pass."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from seq2seq.config import ModelConfig
+from seq2seq.model import Seq2SeqTransformer, padding_mask, sinusoidal_positions
+from seq2seq.tokenizer import PAD_ID
+
+D_MODEL, HEADS, FFN, LAYERS, VOCAB = 32, 4, 64, 2, 50
+
+
+def make_model(norm: str = "post", **overrides) -> Seq2SeqTransformer:
+    config = ModelConfig(
+        d_model=D_MODEL,
+        heads=HEADS,
+        encoder_layers=LAYERS,
+        decoder_layers=LAYERS,
+        ffn_dim=FFN,
+        dropout=0.0,
+        norm=norm,
+        **overrides,
+    )
+    return Seq2SeqTransformer(config, src_vocab_size=VOCAB, tgt_vocab_size=VOCAB).eval()
+
+
+def _copy_attention(ours, theirs: nn.MultiheadAttention) -> None:
+    q, k, v = theirs.in_proj_weight.chunk(3)
+    qb, kb, vb = theirs.in_proj_bias.chunk(3)
+    for proj, weight, bias in ((ours.q_proj, q, qb), (ours.k_proj, k, kb), (ours.v_proj, v, vb)):
+        proj.weight.copy_(weight)
+        proj.bias.copy_(bias)
+    ours.out_proj.weight.copy_(theirs.out_proj.weight)
+    ours.out_proj.bias.copy_(theirs.out_proj.bias)
+
+
+def _copy_linear_and_norms(ours_layer, theirs_layer, norms: list[tuple]) -> None:
+    ours_layer.ffn.fc1.load_state_dict(theirs_layer.linear1.state_dict())
+    ours_layer.ffn.fc2.load_state_dict(theirs_layer.linear2.state_dict())
+    for ours_block, their_norm in norms:
+        ours_block.norm.load_state_dict(their_norm.state_dict())
+
+
+def reference_transformer(norm: str) -> nn.Transformer:
+    pre = norm == "pre"
+
+    def final_norm():
+        return nn.LayerNorm(D_MODEL) if pre else None
+
+    enc_layer = nn.TransformerEncoderLayer(D_MODEL, HEADS, FFN, dropout=0.0, batch_first=True, norm_first=pre)
+    dec_layer = nn.TransformerDecoderLayer(D_MODEL, HEADS, FFN, dropout=0.0, batch_first=True, norm_first=pre)
+    return nn.Transformer(
+        d_model=D_MODEL,
+        nhead=HEADS,
+        batch_first=True,
+        custom_encoder=nn.TransformerEncoder(enc_layer, LAYERS, norm=final_norm(), enable_nested_tensor=False),
+        custom_decoder=nn.TransformerDecoder(dec_layer, LAYERS, norm=final_norm()),
+    ).eval()
+
+
+@torch.no_grad()
+def copy_into_ours(ours: Seq2SeqTransformer, ref: nn.Transformer) -> None:
+    for mine, theirs in zip(ours.encoder_layers, ref.encoder.layers):
+        _copy_attention(mine.self_attn, theirs.self_attn)
+        _copy_linear_and_norms(mine, theirs, [(mine.self_attn_block, theirs.norm1), (mine.ffn_block, theirs.norm2)])
+    for mine, theirs in zip(ours.decoder_layers, ref.decoder.layers):
+        _copy_attention(mine.self_attn, theirs.self_attn)
+        _copy_attention(mine.cross_attn, theirs.multihead_attn)
+        _copy_linear_and_norms(
+            mine,
+            theirs,
+            [
+                (mine.self_attn_block, theirs.norm1),
+                (mine.cross_attn_block, theirs.norm2),
+                (mine.ffn_block, theirs.norm3),
+            ],
+        )
+    if ref.encoder.norm is not None:
+        ours.encoder_norm.load_state_dict(ref.encoder.norm.state_dict())
+        ours.decoder_norm.load_state_dict(ref.decoder.norm.state_dict())
+
+
+@pytest.mark.parametrize("norm", ["post", "pre"])
+def test_layers_match_torch_transformer_with_padding(norm):
+    ours, ref = make_model(norm), reference_transformer(norm)
+    copy_into_ours(ours, ref)
+    src_tokens = torch.randint(4, VOCAB, (3, 7))
+    src_tokens[0, 5:] = PAD_ID
+    src_tokens[2, 3:] = PAD_ID
+    src_embedded, tgt_embedded = torch.randn(3, 7, D_MODEL), torch.randn(3, 6, D_MODEL)
+    src_mask = padding_mask(src_tokens)
+    with torch.no_grad():
+        memory = src_embedded
+        for layer in ours.encoder_layers:
+            memory = layer(memory, src_mask)
+        memory = ours.encoder_norm(memory)
+        out = tgt_embedded
+        for layer in ours.decoder_layers:
+            out = layer(out, memory, src_mask, None)
+        out = ours.decoder_norm(out)
+        expected = ref(
+            src_embedded,
+            tgt_embedded,
+            tgt_mask=nn.Transformer.generate_square_subsequent_mask(6),
+            src_key_padding_mask=src_tokens == PAD_ID,
+            memory_key_padding_mask=src_tokens == PAD_ID,
+        )
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_sinusoidal_positions_follow_the_paper_for_any_length():
+    d_model = 16
+    table = sinusoidal_positions(torch.arange(10_000), d_model)  # far past the usual 5000-row table
+    pos, i = 9_999, 3
+    angle = pos / 10000 ** (2 * i / d_model)
+    assert table.shape == (10_000, d_model)
+    assert table[pos, 2 * i].item() == pytest.approx(math.sin(angle), abs=1e-3)
+    assert table[pos, 2 * i + 1].item() == pytest.approx(math.cos(angle), abs=1e-3)
+    assert torch.equal(table[0, 0::2], torch.zeros(d_model // 2))
+    assert torch.equal(table[0, 1::2], torch.ones(d_model // 2))
+
+
+def test_changing_a_future_target_token_leaves_earlier_outputs_unchanged():
+    model = make_model("pre")
+    src = torch.randint(4, VOCAB, (2, 5))
+    tgt = torch.randint(4, VOCAB, (2, 8))
+    changed = tgt.clone()
+    changed[:, 5] = (changed[:, 5] + 1 - 4) % (VOCAB - 4) + 4
+    with torch.no_grad():
+        before, after = model(src, tgt), model(src, changed)
+    assert torch.equal(before[:, :5], after[:, :5])
+    assert not torch.allclose(before[:, 5:], after[:, 5:])
+
+
+def test_changing_a_padded_source_token_leaves_outputs_unchanged():
+    model = make_model("post")
+    src = torch.randint(4, VOCAB, (2, 6))
+    src[:, 4:] = PAD_ID
+    tgt = torch.randint(4, VOCAB, (2, 5))
+    src_mask = padding_mask(src)  # the mask of the real sentence: the padded slots hold other ids below
+    garbage = src.clone()
+    garbage[:, 4:] = 7
+    with torch.no_grad():
+        clean = model.decode(tgt, model.encode(src, src_mask), src_mask)
+        noisy = model.decode(tgt, model.encode(garbage, src_mask), src_mask)
+    assert torch.equal(clean, noisy)
+
+
+@pytest.mark.parametrize("norm", ["post", "pre"])
+def test_cached_step_by_step_logits_equal_the_full_forward_pass(norm):
+    model = make_model(norm)
+    src = torch.randint(4, VOCAB, (3, 6))
+    src[1, 4:] = PAD_ID
+    tgt = torch.randint(4, VOCAB, (3, 9))
+    with torch.no_grad():
+        full = model(src, tgt)
+        src_mask = padding_mask(src)
+        memory = model.encode(src, src_mask)
+        cache = model.new_cache()
+        steps = [model.decode(tgt[:, t : t + 1], memory, src_mask, cache) for t in range(tgt.size(1))]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+    assert cache.length == tgt.size(1)
+
+
+def test_cache_accepts_a_prefix_then_single_steps():
+    model = make_model("pre")
+    src, tgt = torch.randint(4, VOCAB, (2, 5)), torch.randint(4, VOCAB, (2, 7))
+    with torch.no_grad():
+        full = model(src, tgt)
+        src_mask = padding_mask(src)
+        memory = model.encode(src, src_mask)
+        cache = model.new_cache()
+        first = model.decode(tgt[:, :4], memory, src_mask, cache)
+        rest = model.decode(tgt[:, 4:], memory, src_mask, cache)
+    torch.testing.assert_close(torch.cat([first, rest], dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_shared_embeddings_are_one_matrix_and_scaled():
+    model = make_model("post", share_embeddings=True)
+    assert model.src_embed.weight is model.tgt_embed.weight is model.output_proj.weight
+    separate = make_model("post", share_embeddings=False, tie_output=False)
+    assert separate.src_embed.weight is not separate.tgt_embed.weight
+    assert separate.output_proj.weight is not separate.tgt_embed.weight
+
+
+def test_gelu_activation_changes_the_output():
+    torch.manual_seed(1)
+    relu = make_model("pre")
+    torch.manual_seed(1)
+    gelu = make_model("pre", activation="gelu")
+    src, tgt = torch.randint(4, VOCAB, (1, 4)), torch.randint(4, VOCAB, (1, 4))
+    with torch.no_grad():
+        assert not torch.allclose(relu(src, tgt), gelu(src, tgt))
+
+
+def test_cross_attention_maps_are_distributions_over_real_source_tokens():
+    model = make_model("pre")
+    src = torch.randint(4, VOCAB, (1, 6))
+    src[0, 4:] = PAD_ID
+    maps = model.cross_attention(src, torch.randint(4, VOCAB, (1, 3)))
+    assert maps.shape == (LAYERS, 1, HEADS, 3, 6)
+    torch.testing.assert_close(maps.sum(-1), torch.ones(LAYERS, 1, HEADS, 3))
+    assert torch.all(maps[..., 4:] == 0)

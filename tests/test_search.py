@@ -1,0 +1,173 @@
+"""Search: the pure beam step by hand, a scripted fake decoder, brute force, beam 1 == greedy, batching."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from seq2seq.config import DecodeConfig, ModelConfig
+from seq2seq.model import Seq2SeqTransformer
+from seq2seq.search import beam_search, beam_step, greedy_search, length_normalized
+from seq2seq.tokenizer import BOS_ID, EOS_ID, PAD_ID
+
+VOCAB = 7  # ids 0-3 are pad/unk/bos/eos; the search may emit unk (1), eos (3) and 4, 5, 6
+EMITTABLE = [1, 4, 5, 6]
+
+
+class PrefixCache:
+    """The fake model's cache: just the prefix of every row, reordered like a real cache."""
+
+    def __init__(self) -> None:
+        self.prefixes: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.prefixes is None else self.prefixes.size(1)
+
+    def reorder(self, rows: torch.Tensor) -> None:
+        self.prefixes = self.prefixes.index_select(0, rows)
+
+    select = reorder
+
+
+class ScriptedModel:
+    """Next-token log-probs are a fixed pseudo-random function of (sentence id, prefix).
+
+    The sentence id travels in the memory tensor, so batching, beams and dropped rows must all keep
+    rows and caches aligned for the results to match.
+    """
+
+    def __init__(self, seed: int = 0) -> None:
+        self.seed = seed
+
+    def encode(self, src: torch.Tensor, src_mask: torch.Tensor) -> torch.Tensor:
+        return src[:, :1].float().unsqueeze(-1)  # (B, 1, 1): the first source id names the sentence
+
+    def new_cache(self) -> PrefixCache:
+        return PrefixCache()
+
+    def log_probs(self, sentence: int, prefix: tuple[int, ...]) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(hash((self.seed, sentence, prefix)) % 2**31)
+        return (torch.randn(VOCAB, generator=generator) * 2).log_softmax(-1)
+
+    def decode(self, tgt, memory, src_mask, cache: PrefixCache) -> torch.Tensor:
+        cache.prefixes = tgt if cache.prefixes is None else torch.cat([cache.prefixes, tgt], dim=1)
+        rows = [
+            self.log_probs(int(memory[row, 0, 0]), tuple(cache.prefixes[row, 1:].tolist()))
+            for row in range(tgt.size(0))
+        ]
+        return torch.stack(rows).unsqueeze(1)  # (N, 1, V): log-probs are valid logits
+
+
+def sentences(*ids: int, length: int = 3) -> torch.Tensor:
+    """Source batch whose rows start with the given sentence ids (the rest is filler)."""
+    return torch.tensor([[i] + [4] * (length - 1) for i in ids])
+
+
+def no_norm(**overrides) -> DecodeConfig:
+    return DecodeConfig(**{"length_norm": "none", "max_len_a": 0.0, "max_len_b": 4, "min_len": 0, **overrides})
+
+
+def brute_force_best(model: ScriptedModel, sentence: int, max_len: int) -> tuple[list[int], float]:
+    """Score every output up to max_len tokens (EOS forced at max_len, as the search does)."""
+    best_tokens, best_score = [], -math.inf
+    for length in range(max_len + 1):
+        for tokens in itertools.product(EMITTABLE, repeat=length):
+            total = sum(model.log_probs(sentence, tokens[:t])[tokens[t]].item() for t in range(length))
+            if length < max_len:
+                total += model.log_probs(sentence, tokens)[EOS_ID].item()
+            if total > best_score:
+                best_tokens, best_score = list(tokens), total
+    return best_tokens, best_score
+
+
+def test_beam_step_picks_the_best_continuations_by_hand():
+    log_probs = torch.log(torch.tensor([[[0.1, 0.6, 0.3], [0.5, 0.25, 0.25]]]))  # (B=1, K=2, V=3)
+    scores = torch.log(torch.tensor([[0.5, 0.5]]))
+    best, tokens, beams = beam_step(log_probs, scores, 3)
+    # Totals: beam 0 -> .05 .30 .15 ; beam 1 -> .25 .125 .125  => best three: (0,1) (1,0) (0,2)
+    assert tokens.tolist() == [[1, 0, 2]]
+    assert beams.tolist() == [[0, 1, 0]]
+    torch.testing.assert_close(best.exp(), torch.tensor([[0.30, 0.25, 0.15]]))
+
+
+def test_length_normalisations():
+    assert length_normalized(-6.0, 3, DecodeConfig(length_norm="none")) == -6.0
+    assert length_normalized(-6.0, 3, DecodeConfig(length_norm="average")) == -2.0
+    gnmt = length_normalized(-6.0, 3, DecodeConfig(length_norm="gnmt", length_penalty=1.0))
+    assert gnmt == pytest.approx(-6.0 / (8 / 6))
+
+
+@pytest.mark.parametrize("sentence", [10, 11, 12])
+def test_wide_beam_finds_the_brute_force_optimum(sentence):
+    model = ScriptedModel()
+    expected_tokens, expected_score = brute_force_best(model, sentence, max_len=4)
+    ((best, *_),) = beam_search(model, sentences(sentence), no_norm(beam=1500))
+    assert best.tokens == expected_tokens
+    assert best.log_prob == pytest.approx(expected_score, abs=1e-4)
+
+
+def test_beam_one_equals_greedy_on_the_scripted_model():
+    model = ScriptedModel(seed=5)
+    src = sentences(*range(20, 40))
+    greedy = greedy_search(model, src, no_norm(beam=1))
+    beam = beam_search(model, src, no_norm(beam=1))
+    assert [g[0].tokens for g in greedy] == [b[0].tokens for b in beam]
+    assert [g[0].log_prob for g in greedy] == pytest.approx([b[0].log_prob for b in beam])
+
+
+@pytest.mark.parametrize("search", [greedy_search, beam_search])
+def test_batched_search_equals_one_sentence_at_a_time(search):
+    model = ScriptedModel(seed=2)
+    config = no_norm(beam=3, nbest=3)
+    batched = search(model, sentences(50, 51, 52, 53), config)
+    alone = [search(model, sentences(i), config)[0] for i in (50, 51, 52, 53)]
+    assert batched == alone
+
+
+def test_nbest_is_sorted_and_min_len_is_respected():
+    model = ScriptedModel(seed=9)
+    hyps = beam_search(model, sentences(60), no_norm(beam=4, nbest=4, min_len=2))[0]
+    assert len(hyps) == 4
+    assert [h.score for h in hyps] == sorted((h.score for h in hyps), reverse=True)
+    assert all(len(h.tokens) >= 2 for h in hyps)
+
+
+def test_outputs_stop_at_max_len_a_times_source_plus_b():
+    model = ScriptedModel(seed=1)
+    config = DecodeConfig(beam=3, max_len_a=0.5, max_len_b=1, min_len=10, length_norm="none")
+    for search in (greedy_search, beam_search):
+        hyps = search(model, sentences(70, length=4), config)[0]  # at most 0.5 * 4 + 1 = 3 tokens
+        assert all(len(h.tokens) == 3 for h in hyps)
+        assert all(t not in (PAD_ID, BOS_ID, EOS_ID) for h in hyps for t in h.tokens)
+
+
+def tiny_real_model() -> Seq2SeqTransformer:
+    config = ModelConfig(d_model=32, heads=4, encoder_layers=2, decoder_layers=2, ffn_dim=64, dropout=0.0)
+    return Seq2SeqTransformer(config, src_vocab_size=40, tgt_vocab_size=40).eval()
+
+
+def test_beam_one_equals_greedy_on_a_real_model():
+    torch.manual_seed(3)
+    model = tiny_real_model()
+    src = torch.randint(4, 40, (6, 8))
+    src[2, 5:] = PAD_ID
+    config = DecodeConfig(beam=1, max_len_a=1.0, max_len_b=5)
+    greedy = [h[0].tokens for h in greedy_search(model, src, config)]
+    beam = [h[0].tokens for h in beam_search(model, src, config)]
+    assert greedy == beam
+    assert any(len(tokens) > 1 for tokens in greedy)
+
+
+def test_real_model_beam_batched_equals_alone():
+    torch.manual_seed(4)
+    model = tiny_real_model()
+    src = torch.randint(4, 40, (4, 7))
+    src[1, 4:] = PAD_ID
+    config = DecodeConfig(beam=4, max_len_a=1.0, max_len_b=3)
+    batched = [h[0].tokens for h in beam_search(model, src, config)]
+    alone = [beam_search(model, src[i : i + 1, : int((src[i] != PAD_ID).sum())], config)[0][0].tokens for i in range(4)]
+    assert batched == alone
