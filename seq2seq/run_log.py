@@ -1,0 +1,40 @@
+"""Append-only metrics log (one JSON object per line) and memory figures for it."""
+
+from __future__ import annotations
+
+import json
+import resource
+import time
+from pathlib import Path
+
+import torch
+
+
+class MetricsLog:
+    """RUN_DIR/metrics.jsonl: {"kind": "train"|"valid", "time": ..., ...} per line; survives resume."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def write(self, kind: str, **values: float | int) -> None:
+        with open(self.path, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps({"kind": kind, "time": round(time.time(), 3), **values}) + "\n")
+
+    def truncate_after(self, step: int) -> None:
+        """Forget records past `step`: a resumed run logs those steps again."""
+        kept = [record for record in self.read() if record.get("step", 0) <= step]
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_text("".join(json.dumps(record) + "\n" for record in kept), encoding="utf-8")
+        tmp.replace(self.path)
+
+    def read(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        return [json.loads(line) for line in self.path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak GPU memory allocated on CUDA, else the process's peak resident set size."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB

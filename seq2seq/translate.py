@@ -1,0 +1,61 @@
+"""Translate lines of text: encode, sort into token-budgeted batches, search, detokenize, restore order."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from seq2seq.config import DecodeConfig
+from seq2seq.data.batching import pad, token_batches
+from seq2seq.data.sources import normalize
+from seq2seq.search import search
+from seq2seq.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class Translation:
+    """The n best outputs of one input line, best first, as (text, score) pairs."""
+
+    nbest: list[tuple[str, float]]
+
+    @property
+    def text(self) -> str:
+        return self.nbest[0][0] if self.nbest else ""
+
+
+def translate_lines(
+    model: torch.nn.Module,
+    tokenizer: Tokenizer,
+    lines: list[str],
+    config: DecodeConfig,
+    *,
+    progress: bool = False,
+) -> list[Translation]:
+    """Translate many lines at once; output order equals input order."""
+    device = next(model.parameters()).device
+    texts = [normalize(line) for line in lines]
+    non_empty = np.array([i for i, text in enumerate(texts) if text], dtype=np.int64)
+    encoded = tokenizer.encode_src([texts[i] for i in non_empty])
+    lengths = np.array([len(ids) for ids in encoded], dtype=np.int64)
+    results: list[Translation] = [Translation([]) for _ in lines]  # an empty line stays empty
+    batches = token_batches(lengths, max_tokens=config.batch_tokens)
+    with tqdm(total=len(lines), desc="translate", unit="sent", disable=not progress, leave=False) as bar:
+        bar.update(len(lines) - len(non_empty))
+        for indices in batches:
+            src = pad([encoded[i] for i in indices]).to(device)
+            for index, hyps in zip(non_empty[indices].tolist(), search(model, src, config)):
+                results[index] = Translation([(tokenizer.decode_tgt(h.tokens), h.score) for h in hyps])
+            bar.update(len(indices))
+    return results
+
+
+def translate_stream(
+    model: torch.nn.Module, tokenizer: Tokenizer, lines: Iterable[str], config: DecodeConfig
+) -> Iterator[Translation]:
+    """Translate one line at a time as it arrives (interactive use through pipes)."""
+    for line in lines:
+        yield translate_lines(model, tokenizer, [line.rstrip("\n")], config)[0]

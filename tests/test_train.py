@@ -1,0 +1,197 @@
+"""Training: a tiny model learns, accumulation is exact, resume after SIGKILL is bitwise exact,
+checkpoints are atomic and safe to load, mixed precision behaves."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from seq2seq import checkpoint as ckpt
+from seq2seq.config import config_from_dict
+from seq2seq.data.batching import epoch_batches, make_batch
+from seq2seq.errors import UserInputError
+from seq2seq.train import Trainer
+
+from .conftest import tiny_config_dict
+
+
+def make_trainer(tmp_path: Path, data: Path, name: str = "run", **train) -> Trainer:
+    raw = tiny_config_dict(data, **train)
+    return Trainer(config_from_dict(raw, origin="test"), tmp_path / name, show_progress=False)
+
+
+@pytest.mark.slow
+def test_tiny_model_learns_loss_falls_and_bleu_rises(tmp_path, tiny_data):
+    trainer = make_trainer(tmp_path, tiny_data, max_steps=300, valid_every=300, log_every=20)
+    _, untrained, _ = trainer.evaluate_valid()
+    trainer.run()
+    records = trainer.metrics.read()
+    train_losses = [r["loss"] for r in records if r["kind"] == "train"]
+    final_bleu = [r["bleu"] for r in records if r["kind"] == "valid"][-1]
+    assert train_losses[-1] < 0.6 * train_losses[0]
+    assert final_bleu > 30.0
+    assert final_bleu > untrained.bleu + 25.0
+
+
+def test_first_losses_are_pinned(tmp_path, tiny_data):
+    """A loss-regression test: the first steps of the tiny config must not drift silently."""
+    trainer = make_trainer(tmp_path, tiny_data, max_steps=4, log_every=1, valid_every=100)
+    trainer.run()
+    losses = [round(r["loss"], 3) for r in trainer.metrics.read() if r["kind"] == "train"]
+    assert losses == pytest.approx(PINNED_LOSSES, abs=2e-3)
+
+
+PINNED_LOSSES = [6.675, 6.68, 6.6, 6.504]
+
+
+def test_gradient_accumulation_equals_one_full_batch(tmp_path, tiny_data):
+    raw = tiny_config_dict(tiny_data, max_steps=10)
+    raw["model"]["dropout"] = 0.0
+    config = config_from_dict(raw, origin="test")
+    full = Trainer(config, tmp_path / "full", show_progress=False)
+    halves = Trainer(config, tmp_path / "halves", show_progress=False)
+    halves.model.load_state_dict(full.model.state_dict())
+    # Plain SGD: Adam would blow float noise in zero gradients (e.g. key biases) up to full-size steps.
+    for trainer in (full, halves):
+        trainer.optimizer = torch.optim.SGD(trainer.model.parameters(), lr=0.0)
+    indices = epoch_batches(full.data.train, max_tokens=2048, seed=1, epoch=1)[0]
+    half = len(indices) // 2
+    full._update([make_batch(full.data.train, indices)])
+    halves._update([make_batch(full.data.train, indices[:half]), make_batch(full.data.train, indices[half:])])
+    for (name, a), b in zip(full.model.named_parameters(), halves.model.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def _train_command(config: Path, run_dir: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "seq2seq",
+        "train",
+        str(config),
+        "--quiet",
+        *extra,
+        *(["--run-dir", str(run_dir)] if "--resume" not in extra else []),
+    ]
+
+
+@pytest.mark.slow
+def test_resume_after_sigkill_equals_an_uninterrupted_run(tmp_path, tiny_data):
+    raw = tiny_config_dict(tiny_data, max_steps=60, save_every=10, valid_every=1000, log_every=10)
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    subprocess.run(_train_command(config, tmp_path / "straight"), check=True, env=env, capture_output=True)
+
+    killed = tmp_path / "killed"
+    process = subprocess.Popen(_train_command(config, killed), env=env, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not (killed / "checkpoints" / "step_00000020.pt").exists():
+        assert time.time() < deadline and process.poll() is None, "training ended before the kill"
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert not (killed / "checkpoints" / "step_00000060.pt").exists()
+    subprocess.run(_train_command(config, killed, "--resume", str(killed)), check=True, env=env, capture_output=True)
+
+    straight = ckpt.read_checkpoint(tmp_path / "straight" / "checkpoints" / "last.pt")
+    resumed = ckpt.read_checkpoint(killed / "checkpoints" / "last.pt")
+    assert resumed["progress"]["step"] == straight["progress"]["step"] == 60
+    for name, tensor in straight["model"].items():
+        assert torch.equal(tensor, resumed["model"][name]), name
+    steps = [r["step"] for r in map(yaml.safe_load, (killed / "metrics.jsonl").read_text().splitlines())]
+    assert steps == sorted(steps) and len(steps) == len(set(steps))  # no step logged twice
+
+
+def test_checkpoint_is_self_contained_for_inference(tmp_path, tiny_data):
+    trainer = make_trainer(tmp_path, tiny_data, max_steps=10, valid_every=5, save_every=5, keep_last=1)
+    result = trainer.run()
+    saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert saved == ["best.pt", "last.pt", "step_00000010.pt"]  # keep_last: 1
+    bundle = ckpt.load_for_inference(result.last_checkpoint)
+    for name, tensor in trainer.model.state_dict().items():
+        assert torch.equal(tensor, bundle.model.state_dict()[name])
+    assert bundle.tokenizer.encode_src(["the cat"]) == trainer.tokenizer.encode_src(["the cat"])
+    assert bundle.config == trainer.config
+    assert (tmp_path / "run" / "config.yaml").exists()
+
+
+def test_checkpoint_loading_refuses_pickled_code(tmp_path):
+    evil = tmp_path / "evil.pt"
+    torch.save({"format_version": 1, "payload": Path("x")}, evil)  # an arbitrary object, not plain data
+    with pytest.raises(UserInputError, match="not a readable seq2seq checkpoint"):
+        ckpt.read_checkpoint(evil)
+    torch.save({"model": {}}, tmp_path / "foreign.pt")
+    with pytest.raises(UserInputError, match="not a seq2seq checkpoint"):
+        ckpt.read_checkpoint(tmp_path / "foreign.pt")
+
+
+def test_a_failed_save_leaves_the_previous_checkpoint_intact(tmp_path, monkeypatch):
+    path = tmp_path / "c.pt"
+    ckpt.save_checkpoint(path, {"value": torch.tensor([1.0])})
+
+    def crash(*args, **kwargs):
+        args[1].write(b"partial garbage")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", crash)
+    with pytest.raises(OSError):
+        ckpt.save_checkpoint(path, {"value": torch.tensor([2.0])})
+    monkeypatch.undo()
+    assert ckpt.read_checkpoint(path)["value"].item() == 1.0
+
+
+def test_average_of_checkpoints_is_the_parameter_mean(tmp_path, tiny_data):
+    trainer = make_trainer(tmp_path, tiny_data, max_steps=4, save_every=2, valid_every=100, keep_last=5)
+    trainer.run()
+    first, second = sorted((tmp_path / "run" / "checkpoints").glob("step_*.pt"))
+    ckpt.average_checkpoints([first, second], tmp_path / "avg.pt")
+    a, b = ckpt.read_checkpoint(first)["model"], ckpt.read_checkpoint(second)["model"]
+    averaged = ckpt.read_checkpoint(tmp_path / "avg.pt")["model"]
+    for name in a:
+        torch.testing.assert_close(averaged[name], (a[name] + b[name]) / 2)
+    ckpt.load_for_inference(tmp_path / "avg.pt")  # still a complete checkpoint
+
+
+def test_fp16_without_cuda_is_a_clear_error(tmp_path, tiny_data):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA; fp16 is allowed there")
+    with pytest.raises(UserInputError, match="train.precision: fp16 needs a CUDA GPU"):
+        make_trainer(tmp_path, tiny_data, precision="fp16")
+
+
+def test_bf16_autocast_trains_on_cpu(tmp_path, tiny_data):
+    trainer = make_trainer(tmp_path, tiny_data, precision="bf16", max_steps=20, log_every=5, valid_every=100)
+    trainer.run()
+    losses = [r["loss"] for r in trainer.metrics.read() if r["kind"] == "train"]
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert losses[-1] < losses[0]
+    assert trainer.model.output_proj.weight.dtype == torch.float32  # master weights stay fp32
+
+
+@pytest.mark.parametrize(
+    ("settings", "reason"),
+    [
+        ({"max_epochs": 1, "max_steps": 10_000}, "max_epochs"),
+        ({"max_time": 0.5, "max_steps": 10_000}, "max_time"),
+        ({"patience": 1, "valid_every": 2, "max_steps": 10_000, "lr": 1e-9}, "patience"),
+    ],
+)
+def test_stopping_rules(tmp_path, tiny_data, settings, reason):
+    result = make_trainer(tmp_path, tiny_data, **settings).run()
+    assert reason in result.stop_reason
+    assert result.last_checkpoint.exists()
+
+
+def test_existing_run_directory_is_not_overwritten(tmp_path, tiny_data):
+    make_trainer(tmp_path, tiny_data, max_steps=2, valid_every=100).run()
+    with pytest.raises(UserInputError, match="already has checkpoints; pass --resume"):
+        make_trainer(tmp_path, tiny_data, max_steps=2)
