@@ -1,0 +1,306 @@
+"""The `seq2seq` command line: each command parses options, loads the config and calls one library function.
+
+Bad input (UserInputError) becomes one line per problem on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from tqdm import tqdm
+
+from seq2seq.errors import UserInputError
+
+app = typer.Typer(
+    help="Train and use encoder-decoder Transformer translation models.\n\n"
+    "Quick start: seq2seq demo   (synthetic data -> tokenizer -> model -> translations -> BLEU)",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+tokenizer_app = typer.Typer(help="SentencePiece tokenizer commands.", no_args_is_help=True)
+app.add_typer(tokenizer_app, name="tokenizer")
+
+ConfigArg = Annotated[Path, typer.Argument(help="YAML config, e.g. configs/demo.yaml", show_default=False)]
+SetOption = Annotated[
+    Optional[list[str]],  # noqa: UP045 - typer needs Optional here
+    typer.Option("--set", help="Override one config key, e.g. --set train.lr=0.001 (repeatable).", show_default=False),
+]
+RunDirOption = Annotated[
+    Optional[Path],  # noqa: UP045
+    typer.Option("--run-dir", help="Run directory [default: runs/<config name>].", show_default=False),
+]
+
+
+class _TqdmHandler(logging.Handler):
+    """Log lines that do not break an active progress bar."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        tqdm.write(self.format(record), file=sys.stderr)
+
+
+def _setup_logging() -> None:
+    handler = _TqdmHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s | %(message)s", "%H:%M:%S"))
+    root = logging.getLogger("seq2seq")
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO)
+
+
+def user_errors(command):
+    """Report UserInputError as one line per problem and exit 2, never a traceback."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        _setup_logging()
+        try:
+            return command(*args, **kwargs)
+        except UserInputError as exc:
+            for line in str(exc).splitlines():
+                typer.echo(f"error: {line}", err=True)
+            raise typer.Exit(2) from None
+        except KeyboardInterrupt:
+            typer.echo("interrupted; the last checkpoint is kept (resume with --resume RUN_DIR)", err=True)
+            raise typer.Exit(130) from None
+
+    return wrapper
+
+
+def _run_dir(config_path: Path, run_dir: Path | None) -> Path:
+    return run_dir if run_dir is not None else Path("runs") / config_path.stem
+
+
+@tokenizer_app.command("train")
+@user_errors
+def tokenizer_train(config: ConfigArg, overrides: SetOption = None, run_dir: RunDirOption = None) -> None:
+    """Train SentencePiece on the config's training data; saves RUN_DIR/tokenizer/.
+
+    Example: seq2seq tokenizer train configs/demo.yaml
+    """
+    from seq2seq.config import load_config
+    from seq2seq.data.prepare import load_or_train_tokenizer
+
+    cfg = load_config(config, overrides or [])
+    directory = _run_dir(config, run_dir) / "tokenizer"
+    if directory.exists() and any(directory.glob("*.model")):
+        raise UserInputError(f"{directory}: a tokenizer already exists; delete it to train a new one")
+    tokenizer = load_or_train_tokenizer(cfg, directory)
+    typer.echo(
+        f"tokenizer: {tokenizer.src_vocab_size} source / {tokenizer.tgt_vocab_size} target pieces -> {directory}"
+    )
+
+
+@app.command()
+@user_errors
+def train(
+    config: ConfigArg,
+    overrides: SetOption = None,
+    run_dir: RunDirOption = None,
+    resume: Annotated[
+        Optional[Path],  # noqa: UP045
+        typer.Option(
+            "--resume", help="Continue the run in this directory from its last checkpoint.", show_default=False
+        ),
+    ] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", help="No progress bar.")] = False,
+) -> None:
+    """Train a model (and its tokenizer, if the run has none yet).
+
+    Writes RUN_DIR/config.yaml (the resolved config), tokenizer/, checkpoints/ and metrics.jsonl.
+
+    Examples:
+      seq2seq train configs/demo.yaml --set train.max_steps=2000
+      seq2seq train configs/demo.yaml --resume runs/demo
+    """
+    from seq2seq.config import load_config
+    from seq2seq.train import Trainer
+
+    cfg = load_config(config, overrides or [])
+    directory = resume if resume is not None else _run_dir(config, run_dir)
+    result = Trainer(cfg, directory, resume=resume is not None, show_progress=not quiet).run()
+    typer.echo(
+        f"stopped after {result.progress.step} steps ({result.stop_reason}); checkpoint: {result.last_checkpoint}"
+    )
+
+
+CheckpointOption = Annotated[Path, typer.Option("--checkpoint", "-c", help="A checkpoint (.pt) from training.")]
+BeamOption = Annotated[
+    Optional[int],  # noqa: UP045
+    typer.Option(
+        "--beam", min=1, help="Beam size (1 = greedy) [default: the checkpoint's decode.beam].", show_default=False
+    ),
+]
+
+
+def _decode_config(stored, beam: int | None, nbest: int | None, overrides: list[str]):
+    """The checkpoint's decode section with --beam/--nbest/--set decode.KEY=VALUE applied and validated."""
+    from seq2seq.config import apply_overrides, config_from_dict
+
+    raw = stored.to_dict()
+    for item in overrides:
+        if not item.startswith("decode."):
+            raise UserInputError(f"--set {item}: only decode.* keys can be changed at translation time")
+    apply_overrides(raw, overrides)
+    if beam is not None:
+        raw["decode"]["beam"] = beam
+    if nbest is not None:
+        raw["decode"]["nbest"] = nbest
+    return config_from_dict(raw, origin="command line").decode
+
+
+@app.command()
+@user_errors
+def translate(
+    checkpoint: CheckpointOption,
+    input: Annotated[str, typer.Option("--input", "-i", help="Source file, or - for stdin.")] = "-",
+    output: Annotated[str, typer.Option("--output", "-o", help="Output file, or - for stdout.")] = "-",
+    beam: BeamOption = None,
+    nbest: Annotated[
+        Optional[int], typer.Option("--nbest", min=1, help="Print the N best per line: idx ||| text ||| score.")  # noqa: UP045
+    ] = None,
+    overrides: SetOption = None,
+    stream: Annotated[bool, typer.Option("--stream", help="Translate each stdin line as it arrives.")] = False,
+    attention_plot: Annotated[
+        Optional[Path],  # noqa: UP045
+        typer.Option("--attention-plot", help="Write cross-attention heatmaps (PNG) of the first lines here."),
+    ] = None,
+) -> None:
+    """Translate text, one sentence per line.
+
+    Examples:
+      seq2seq translate -c runs/demo/checkpoints/last.pt -i test.en -o test.out --beam 5
+      echo "the cat sleeps" | seq2seq translate -c runs/demo/checkpoints/best.pt
+    """
+    from seq2seq.checkpoint import load_for_inference
+    from seq2seq.data.sources import decode_lines, read_lines
+    from seq2seq.translate import translate_lines, translate_stream
+
+    bundle = load_for_inference(checkpoint, _device())
+    decode = _decode_config(bundle.config, beam, nbest, overrides or [])
+    source = decode_lines(sys.stdin.buffer, "<stdin>") if input == "-" else read_lines(input)
+    lines: list[str] = []
+    if stream:
+        results = translate_stream(bundle.model, bundle.tokenizer, source, decode)
+    else:
+        lines = list(source)
+        results = translate_lines(bundle.model, bundle.tokenizer, lines, decode, progress=input != "-")
+    with contextlib.nullcontext(sys.stdout) if output == "-" else open(output, "w", encoding="utf-8") as sink:
+        for index, result in enumerate(results):
+            if decode.nbest > 1:
+                sink.writelines(f"{index} ||| {text} ||| {value:.4f}\n" for text, value in result.nbest)
+            else:
+                sink.write(result.text + "\n")
+            if stream:
+                sink.flush()
+    if attention_plot is not None and lines:
+        from seq2seq.plots import plot_attention
+
+        written = plot_attention(bundle.model, bundle.tokenizer, lines[:5], attention_plot)
+        typer.echo(f"attention plots: {', '.join(map(str, written))}", err=True)
+
+
+@app.command("eval")
+@user_errors
+def evaluate(
+    checkpoint: CheckpointOption,
+    src: Annotated[Path, typer.Option("--src", help="Source sentences, one per line.")],
+    ref: Annotated[Path, typer.Option("--ref", help="Reference translations, one per line.")],
+    beam: BeamOption = None,
+    json_path: Annotated[
+        Optional[Path], typer.Option("--json", help="Also write a JSON report here.", show_default=False)  # noqa: UP045
+    ] = None,
+    hypotheses_path: Annotated[
+        Optional[Path], typer.Option("--hyps", help="Also write the translations here.", show_default=False)  # noqa: UP045
+    ] = None,
+) -> None:
+    """Translate --src and score it against --ref with sacrebleu (BLEU and chrF, with signatures).
+
+    Example: seq2seq eval -c runs/demo/checkpoints/best.pt --src data/demo/test.en --ref data/demo/test.xx
+    """
+    from seq2seq.checkpoint import load_for_inference
+    from seq2seq.data.sources import read_lines
+    from seq2seq.evaluate import score
+    from seq2seq.translate import translate_lines
+
+    sources, references = list(read_lines(src)), list(read_lines(ref))
+    if len(sources) != len(references):
+        raise UserInputError(f"{src} has {len(sources)} lines but {ref} has {len(references)}; expected equal counts")
+    bundle = load_for_inference(checkpoint, _device())
+    decode = _decode_config(bundle.config, beam, 1, [])
+    hypotheses = [t.text for t in translate_lines(bundle.model, bundle.tokenizer, sources, decode, progress=True)]
+    scores = score(hypotheses, references)
+    typer.echo(scores.describe())
+    if hypotheses_path:
+        hypotheses_path.write_text("".join(h + "\n" for h in hypotheses), encoding="utf-8")
+    if json_path:
+        report = {
+            **scores.to_dict(),
+            "checkpoint": str(checkpoint),
+            "src": str(src),
+            "ref": str(ref),
+            "beam": decode.beam,
+        }
+        json_path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+
+
+@app.command()
+@user_errors
+def demo(
+    config: Annotated[Path, typer.Option("--config", help="The demo config.")] = Path("configs/demo.yaml"),
+    overrides: SetOption = None,
+    run_dir: Annotated[Path, typer.Option("--run-dir", help="Where the run goes (replaced).")] = Path("runs/demo"),
+    quiet: Annotated[bool, typer.Option("--quiet", help="No progress bars.")] = False,
+) -> None:
+    """The whole path on the embedded synthetic task: data, tokenizer, training, translation, test BLEU.
+
+    Example: seq2seq demo --set train.max_steps=500
+    """
+    from seq2seq.demo import run_demo
+
+    run_demo(config, overrides or [], run_dir, show_progress=not quiet, echo=typer.echo)
+
+
+@app.command()
+@user_errors
+def average(
+    checkpoints: Annotated[list[Path], typer.Argument(help="Checkpoints to average (e.g. the last 5).")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Where to write the averaged checkpoint.")],
+) -> None:
+    """Average the parameters of several checkpoints of one run (Vaswani et al. averaged the last 5).
+
+    Example: seq2seq average runs/demo/checkpoints/step_*.pt -o runs/demo/checkpoints/avg.pt
+    """
+    from seq2seq.checkpoint import average_checkpoints
+
+    average_checkpoints(checkpoints, output)
+    typer.echo(f"averaged {len(checkpoints)} checkpoints -> {output}")
+
+
+@app.command()
+@user_errors
+def plot(run_dir: Annotated[Path, typer.Argument(help="A run directory with metrics.jsonl.")]) -> None:
+    """Write PNG curves of training/validation loss, BLEU and learning rate into RUN_DIR/plots/.
+
+    Example: seq2seq plot runs/demo
+    """
+    from seq2seq.plots import plot_training_curves
+
+    for path in plot_training_curves(run_dir):
+        typer.echo(str(path))
+
+
+def _device():
+    import torch
+
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def main() -> None:
+    app()

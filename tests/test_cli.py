@@ -1,0 +1,183 @@
+"""The CLI as a user drives it: help, the whole path on a tiny run, and bad input -> one line, exit 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from seq2seq.cli import app
+
+from .conftest import tiny_config_dict
+
+runner = CliRunner()
+
+
+def invoke(*args: str, input: str | None = None):
+    return runner.invoke(app, [str(a) for a in args], input=input, catch_exceptions=False)
+
+
+def assert_user_error(result, *fragments: str) -> None:
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+def test_help_lists_every_command_with_examples():
+    result = invoke("--help")
+    assert result.exit_code == 0
+    for command in ("tokenizer", "train", "translate", "eval", "demo", "average", "plot"):
+        assert command in result.output
+    for command in (["train"], ["translate"], ["eval"], ["tokenizer", "train"], ["average"], ["plot"], ["demo"]):
+        sub = invoke(*command, "--help")
+        assert sub.exit_code == 0 and "Example" in sub.output
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    """tokenizer train + train on the tiny config, through the CLI."""
+    from seq2seq.demo_data import make_demo_corpus
+
+    from .conftest import write_pairs
+
+    root = tmp_path_factory.mktemp("cli")
+    data = root / "data"
+    data.mkdir()
+    for split, pairs in make_demo_corpus(seed=3, sizes={"train": 2000, "valid": 30, "test": 30}).items():
+        write_pairs(data, split, pairs)
+    config = root / "tiny.yaml"
+    config.write_text(yaml.safe_dump(tiny_config_dict(data, max_steps=30, valid_every=15, save_every=15)))
+    run_dir = root / "run"
+    result = invoke("tokenizer", "train", config, "--run-dir", run_dir)
+    assert result.exit_code == 0, result.output
+    assert (run_dir / "tokenizer" / "joint.model").exists()
+    result = invoke("train", config, "--run-dir", run_dir, "--quiet", "--set", "train.max_steps=30")
+    assert result.exit_code == 0, result.output
+    return root, config, run_dir, data
+
+
+def test_train_writes_the_run_directory(trained_run):
+    _, _, run_dir, _ = trained_run
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["train"]["max_steps"] == 30
+    assert (run_dir / "checkpoints" / "last.pt").exists()
+    assert (run_dir / "checkpoints" / "best.pt").exists()
+    kinds = {json.loads(line)["kind"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()}
+    assert kinds == {"train", "valid"}
+
+
+def test_translate_from_stdin_and_files_with_nbest(trained_run, tmp_path):
+    _, _, run_dir, data = trained_run
+    checkpoint = run_dir / "checkpoints" / "last.pt"
+    result = invoke("translate", "-c", checkpoint, input="the cat sleeps\n\nthe dogs see a tree\n")
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert len(lines) == 3 and lines[1] == ""  # order kept, empty line stays empty
+    out = tmp_path / "out.txt"
+    result = invoke("translate", "-c", checkpoint, "-i", data / "test.en", "-o", out, "--beam", "3", "--nbest", "2")
+    assert result.exit_code == 0, result.output
+    rows = [line.split(" ||| ") for line in out.read_text().splitlines()]
+    assert len(rows) == 2 * 30 and {int(r[0]) for r in rows} == set(range(30))
+    streamed = invoke("translate", "-c", checkpoint, "--stream", "--beam", "1", input="the cat sleeps\n")
+    assert (
+        streamed.stdout.splitlines()
+        == invoke("translate", "-c", checkpoint, "--beam", "1", input="the cat sleeps\n").stdout.splitlines()
+    )
+
+
+def test_eval_prints_signatures_and_writes_json(trained_run, tmp_path):
+    _, _, run_dir, data = trained_run
+    report = tmp_path / "report.json"
+    result = invoke(
+        "eval",
+        "-c",
+        run_dir / "checkpoints" / "best.pt",
+        "--src",
+        data / "test.en",
+        "--ref",
+        data / "test.xx",
+        "--json",
+        report,
+        "--beam",
+        "1",
+    )
+    assert result.exit_code == 0, result.output
+    assert "BLEU = " in result.stdout and "nrefs:1|case:mixed" in result.stdout and "chrF = " in result.stdout
+    parsed = json.loads(report.read_text())
+    assert parsed["sentences"] == 30 and 0.0 <= parsed["bleu"] <= 100.0 and parsed["beam"] == 1
+
+
+def test_average_plot_and_attention_plot(trained_run, tmp_path):
+    _, _, run_dir, _ = trained_run
+    steps = sorted((run_dir / "checkpoints").glob("step_*.pt"))
+    result = invoke("average", *steps, "-o", tmp_path / "avg.pt")
+    assert result.exit_code == 0, result.output
+    result = invoke("plot", run_dir)
+    assert result.exit_code == 0, result.output
+    for name in ("loss", "bleu", "lr"):
+        assert (run_dir / "plots" / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
+    result = invoke(
+        "translate", "-c", tmp_path / "avg.pt", "--attention-plot", tmp_path / "att", input="the cat sleeps\n"
+    )
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "att" / "attention_1.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bad_config_key_exits_2_with_one_line(trained_run, tmp_path):
+    _, config, _, _ = trained_run
+    raw = yaml.safe_load(config.read_text())
+    raw["model"]["d_modle"] = 64
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(raw))
+    assert_user_error(
+        invoke("train", bad, "--run-dir", tmp_path / "r"), str(bad), "model.d_modle", "did you mean 'model.d_model'"
+    )
+    assert_user_error(
+        invoke("train", config, "--run-dir", tmp_path / "r", "--set", "model.heads=5"),
+        "model.d_model",
+        "multiple of heads",
+    )
+    assert_user_error(invoke("train", config, "--set", "train.warmup_steps=-5"), "--set train.warmup_steps", ">= 0")
+
+
+def test_bad_data_exits_2_naming_file_and_line(trained_run, tmp_path):
+    _, config, _, data = trained_run
+    broken = tmp_path / "broken.en"
+    broken.write_bytes((data / "train.en").read_bytes().replace(b"cat", b"c\xfft", 1))
+    line = next(n for n, text in enumerate(broken.read_bytes().splitlines(), 1) if b"\xff" in text)
+    result = invoke("train", config, "--run-dir", tmp_path / "r", "--set", f"data.train.src={broken}")
+    assert_user_error(result, f"{broken}:{line}: not valid UTF-8")
+    short = tmp_path / "short.xx"
+    short.write_text("one line\n")
+    result = invoke("train", config, "--run-dir", tmp_path / "r2", "--set", f"data.train.tgt={short}")
+    assert_user_error(result, "has 2000 lines but", "has 1")
+
+
+def test_run_directory_and_checkpoint_errors(trained_run, tmp_path):
+    _, config, run_dir, data = trained_run
+    assert_user_error(invoke("train", config, "--run-dir", run_dir), "pass --resume")
+    assert_user_error(invoke("train", config, "--resume", tmp_path / "nothing"), "no checkpoint to resume from")
+    assert_user_error(invoke("translate", "-c", tmp_path / "missing.pt", input="x\n"), "checkpoint not found")
+    not_a_checkpoint = tmp_path / "junk.pt"
+    not_a_checkpoint.write_text("junk")
+    assert_user_error(invoke("translate", "-c", not_a_checkpoint, input="x\n"), "not a readable seq2seq checkpoint")
+    assert_user_error(
+        invoke("translate", "-c", run_dir / "checkpoints" / "last.pt", "--set", "train.lr=1", input="x\n"),
+        "only decode.* keys",
+    )
+    assert_user_error(
+        invoke(
+            "eval", "-c", run_dir / "checkpoints" / "last.pt", "--src", data / "test.en", "--ref", data / "train.xx"
+        ),
+        "has 30 lines but",
+        "has 2000",
+    )
+
+
+def test_missing_config_file_exits_2():
+    assert_user_error(invoke("train", Path("no/such/config.yaml")), "config file not found")
