@@ -28,7 +28,7 @@ def error_of(path: Path, overrides=()) -> str:
 def test_valid_config_loads_with_types(tmp_path, tiny_data):
     config = load_config(write(tmp_path, tiny_config_dict(tiny_data)))
     assert isinstance(config, Config)
-    assert config.model.d_model == 64
+    assert config.model.d_model == 96
     assert config.train.betas == (0.9, 0.98)
     assert config.decode.beam == 2
 
