@@ -1,0 +1,22 @@
+"""Every config shipped in configs/ is valid (data files aside: corpora are fetched or prepared first)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from seq2seq.config import config_from_dict
+
+CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_shipped_config_is_valid(path):
+    config = config_from_dict(yaml.safe_load(path.read_text()), origin=str(path))
+    assert config.model.d_model % config.model.heads == 0
+
+
+def test_all_expected_configs_ship():
+    assert {p.stem for p in CONFIGS} >= {"demo", "bible_en_es", "iwslt14_de_en", "wmt14_en_de_base"}
