@@ -43,12 +43,12 @@ class DecoderCache:
             layer.self_k = layer.self_k.index_select(0, rows)
             layer.self_v = layer.self_v.index_select(0, rows)
 
-    def select(self, rows: Tensor) -> None:
-        """Keep only the given rows of every cache (sentences leaving the batch)."""
+    def select(self, rows: Tensor, sentences: Tensor) -> None:
+        """Keep only the given target rows and source sentences (finished sentences leave the batch)."""
         self.reorder(rows)
         for layer in self.layers:
-            layer.cross_k = layer.cross_k.index_select(0, rows)
-            layer.cross_v = layer.cross_v.index_select(0, rows)
+            layer.cross_k = layer.cross_k.index_select(0, sentences)
+            layer.cross_v = layer.cross_v.index_select(0, sentences)
 
 
 class MultiHeadAttention(nn.Module):
@@ -167,11 +167,12 @@ class DecoderLayer(nn.Module):
         self.ffn_block = _Residual(d_model, dropout, pre_norm)
 
     def forward(self, x: Tensor, memory: Tensor, src_mask: Tensor, cache: LayerCache | None) -> Tensor:
-        """x (B, T, d) new target positions; memory (B, S, d). With a cache, earlier positions come from it."""
+        """x (N, T, d) new target positions; memory (B, S, d) with N = B * beams rows grouped by sentence.
+
+        With a cache, earlier positions come from it.
+        """
         x = self.self_attn_block(x, lambda h: self._self_attention(h, cache))
-        x = self.cross_attn_block(
-            x, lambda h: self.cross_attn.attend(h, *self._memory_kv(memory, cache), mask=src_mask)
-        )
+        x = self.cross_attn_block(x, lambda h: self._cross_attention(h, memory, src_mask, cache))
         return self.ffn_block(x, self.ffn)
 
     def cross_attention_weights(self, x: Tensor, memory: Tensor, src_mask: Tensor) -> Tensor:
@@ -190,6 +191,16 @@ class DecoderLayer(nn.Module):
             k, v = torch.cat([cache.self_k, k], dim=2), torch.cat([cache.self_v, v], dim=2)
         cache.self_k, cache.self_v = k, v
         return self.self_attn.attend(h, k, v, mask=_causal_mask(h.size(1), past, h.device))
+
+    def _cross_attention(self, h: Tensor, memory: Tensor, src_mask: Tensor, cache: LayerCache | None) -> Tensor:
+        k, v = self._memory_kv(memory, cache)
+        sentences, rows = k.size(0), h.size(0)
+        if rows == sentences:
+            return self.cross_attn.attend(h, k, v, mask=src_mask)
+        # Beams of one sentence share its encoder output: fold them into the query length, so the
+        # encoder keys/values are stored, reordered and attended once per sentence, not per beam.
+        folded = h.reshape(sentences, (rows // sentences) * h.size(1), h.size(2))
+        return self.cross_attn.attend(folded, k, v, mask=src_mask).reshape(h.shape)
 
     def _memory_kv(self, memory: Tensor, cache: LayerCache | None) -> tuple[Tensor, Tensor]:
         if cache is None:

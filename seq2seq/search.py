@@ -94,7 +94,7 @@ def greedy_search(model, src: Tensor, config: DecodeConfig) -> list[list[Hypothe
             keep = (~done).nonzero().squeeze(1)
             active, best, max_lengths = active[keep], best[keep], max_lengths[keep]
             memory, src_mask = memory.index_select(0, keep), src_mask.index_select(0, keep)
-            cache.select(keep)
+            cache.select(keep, keep)
         last = best.unsqueeze(1)
     return results
 
@@ -104,8 +104,8 @@ def beam_search(model, src: Tensor, config: DecodeConfig) -> list[list[Hypothesi
     """Batched beam search; each sentence keeps its `nbest` best finished hypotheses, best first."""
     beam = config.beam
     batch = src.size(0)
-    src_mask = padding_mask(src).repeat_interleave(beam, dim=0)
-    memory = model.encode(src, padding_mask(src)).repeat_interleave(beam, dim=0)  # (B*K, S, d)
+    src_mask = padding_mask(src)
+    memory = model.encode(src, src_mask)  # (B, S, d): one row per sentence, shared by its beams
     cache = model.new_cache()
     max_lengths = max_output_lengths(src, config)
     active = torch.arange(batch, device=src.device)
@@ -142,8 +142,8 @@ def beam_search(model, src: Tensor, config: DecodeConfig) -> list[list[Hypothesi
             keep_rows = (keep.unsqueeze(1) * beam + torch.arange(beam, device=src.device)).view(-1)
             active, scores, max_lengths = active[keep], scores[keep], max_lengths[keep]
             prefixes = prefixes.index_select(0, keep_rows)
-            memory, src_mask = memory.index_select(0, keep_rows), src_mask.index_select(0, keep_rows)
-            cache.select(keep_rows)
+            memory, src_mask = memory.index_select(0, keep), src_mask.index_select(0, keep)
+            cache.select(keep_rows, keep)
     return [sorted(hyps, key=lambda h: h.score, reverse=True)[: config.nbest] for hyps in finished]
 
 

@@ -206,3 +206,17 @@ def test_cross_attention_maps_are_distributions_over_real_source_tokens():
     assert maps.shape == (LAYERS, 1, HEADS, 3, 6)
     torch.testing.assert_close(maps.sum(-1), torch.ones(LAYERS, 1, HEADS, 3))
     assert torch.all(maps[..., 4:] == 0)
+
+
+def test_beams_sharing_one_memory_row_equal_a_repeated_memory():
+    model = make_model("pre")
+    src = torch.randint(4, VOCAB, (2, 6))
+    src[1, 3:] = PAD_ID
+    beams = 3
+    tgt = torch.randint(4, VOCAB, (2 * beams, 5))
+    with torch.no_grad():
+        src_mask = padding_mask(src)
+        memory = model.encode(src, src_mask)
+        shared = model.decode(tgt, memory, src_mask)  # (B*K rows against B memory rows)
+        repeated = model.decode(tgt, memory.repeat_interleave(beams, 0), src_mask.repeat_interleave(beams, 0))
+    torch.testing.assert_close(shared, repeated, atol=1e-5, rtol=1e-5)

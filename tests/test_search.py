@@ -30,7 +30,8 @@ class PrefixCache:
     def reorder(self, rows: torch.Tensor) -> None:
         self.prefixes = self.prefixes.index_select(0, rows)
 
-    select = reorder
+    def select(self, rows: torch.Tensor, sentences: torch.Tensor) -> None:
+        self.reorder(rows)
 
 
 class ScriptedModel:
@@ -55,8 +56,9 @@ class ScriptedModel:
 
     def decode(self, tgt, memory, src_mask, cache: PrefixCache) -> torch.Tensor:
         cache.prefixes = tgt if cache.prefixes is None else torch.cat([cache.prefixes, tgt], dim=1)
+        beams = tgt.size(0) // memory.size(0)  # the rows of one sentence sit next to each other
         rows = [
-            self.log_probs(int(memory[row, 0, 0]), tuple(cache.prefixes[row, 1:].tolist()))
+            self.log_probs(int(memory[row // beams, 0, 0]), tuple(cache.prefixes[row, 1:].tolist()))
             for row in range(tgt.size(0))
         ]
         return torch.stack(rows).unsqueeze(1)  # (N, 1, V): log-probs are valid logits

@@ -1,0 +1,117 @@
+#!/usr/bin/env python3
+"""Decoding speed, measured side by side in one run on one trained model.
+
+Prints sentences/s and generated tokens/s of greedy and beam-5 search over N sentences, then two
+ratios with their targets:
+  * the KV-cached decoder against re-running the decoder over the whole prefix at every step
+    (beam 5, every output forced to exactly 40 tokens), and
+  * batched beam search (64 sentences per batch) against one sentence at a time.
+
+    python scripts/benchmark_decode.py [--checkpoint runs/demo/checkpoints/best.pt] [--input data/demo/test.en]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from seq2seq.checkpoint import load_for_inference
+from seq2seq.config import DecodeConfig
+from seq2seq.data.batching import pad
+from seq2seq.data.sources import read_lines
+from seq2seq.search import search
+from seq2seq.translate import translate_lines
+
+
+class PrefixCache:
+    """Holds each row's prefix instead of keys/values; reordered like the real cache."""
+
+    def __init__(self) -> None:
+        self.prefixes: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.prefixes is None else self.prefixes.size(1)
+
+    def reorder(self, rows: torch.Tensor) -> None:
+        self.prefixes = self.prefixes.index_select(0, rows)
+
+    def select(self, rows: torch.Tensor, sentences: torch.Tensor) -> None:
+        self.reorder(rows)
+
+
+class RecomputingDecoder:
+    """The same model without a KV cache: every step runs the decoder over the whole prefix."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def encode(self, src, src_mask):
+        return self.model.encode(src, src_mask)
+
+    def new_cache(self) -> PrefixCache:
+        return PrefixCache()
+
+    def decode(self, tgt, memory, src_mask, cache: PrefixCache):
+        cache.prefixes = tgt if cache.prefixes is None else torch.cat([cache.prefixes, tgt], dim=1)
+        return self.model.decode(cache.prefixes, memory, src_mask)[:, -1:]
+
+
+def timed(function):
+    start = time.perf_counter()
+    result = function()
+    return result, time.perf_counter() - start
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--checkpoint", type=Path, default=Path("runs/demo/checkpoints/best.pt"))
+    parser.add_argument("--input", type=Path, default=Path("data/demo/test.en"))
+    parser.add_argument("--sentences", type=int, default=1000)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    args = parser.parse_args()
+    if not args.checkpoint.exists() or not args.input.exists():
+        print(f"error: {args.checkpoint} or {args.input} missing; run `make demo` first", file=sys.stderr)
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    bundle = load_for_inference(args.checkpoint)
+    model, tokenizer = bundle.model, bundle.tokenizer
+    lines = list(read_lines(args.input))[: args.sentences]
+    base = dataclasses.replace(bundle.config.decode, nbest=1)
+    print(f"model: {args.checkpoint} | {len(lines)} sentences from {args.input} | threads {torch.get_num_threads()}")
+
+    print("\n| search | sentences/s | generated tokens/s |\n|---|---|---|")
+    for name, beam in (("greedy", 1), ("beam 5", 5)):
+        config = dataclasses.replace(base, beam=beam)
+        results, seconds = timed(lambda c=config: translate_lines(model, tokenizer, lines, c))
+        tokens = sum(len(tokenizer.encode_tgt([r.text])[0]) + 1 for r in results)
+        print(f"| {name} | {len(lines) / seconds:,.1f} | {tokens / seconds:,.0f} |")
+
+    encoded = tokenizer.encode_src(lines[:64])
+    batch = pad(encoded)
+    forced = DecodeConfig(beam=5, min_len=40, max_len_a=0.0, max_len_b=40, length_norm="none")
+    cached_hyps, cached = timed(lambda: search(model, batch, forced))
+    recomputed_hyps, recomputed = timed(lambda: search(RecomputingDecoder(model), batch, forced))
+    assert [h[0].tokens for h in cached_hyps] == [h[0].tokens for h in recomputed_hyps], "cache changed the output"
+    print(f"\nKV cache, beam 5, 64 sentences x 40 tokens: cached {cached:.2f}s, recomputing {recomputed:.2f}s "
+          f"-> {recomputed / cached:.1f}x (target >= 3x)")  # fmt: skip
+
+    natural = dataclasses.replace(base, beam=5)
+    _, batched = timed(lambda: search(model, batch, natural))
+    _, one_by_one = timed(lambda: [search(model, pad([ids]), natural) for ids in encoded])
+    print(f"batched beam 5, 64 sentences: batch of 64 {batched:.2f}s, one at a time {one_by_one:.2f}s "
+          f"-> {one_by_one / batched:.1f}x (target >= 5x)")  # fmt: skip
+    print(f"peak RSS: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:,.0f} MiB")
+    return 0
+
+
+if __name__ == "__main__":
+    with torch.inference_mode():
+        sys.exit(main())
