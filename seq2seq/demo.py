@@ -12,6 +12,7 @@ from seq2seq.config import load_config
 from seq2seq.data.sources import read_corpus
 from seq2seq.demo_data import write_demo_corpus
 from seq2seq.evaluate import Scores, score
+from seq2seq.plots import plot_training_curves
 from seq2seq.train import Trainer
 from seq2seq.translate import translate_lines
 
@@ -37,6 +38,8 @@ def run_demo(
     for src, ref, hyp in list(zip(test.src, test.tgt, hypotheses))[:5]:
         echo(f"  src: {src}\n  ref: {ref}\n  hyp: {hyp}\n")
     scores = score(hypotheses, test.tgt)
+    plots = plot_training_curves(run_dir)
+    echo(f"training curves: {', '.join(str(p) for p in plots)}")
     echo(f"test set, beam {config.decode.beam}, {len(hypotheses)} sentences:\n{scores.describe()}")
     echo(f"demo finished in {time.perf_counter() - started:.0f}s; run directory: {run_dir}")
     return scores

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import resource
 import time
@@ -11,14 +12,28 @@ import torch
 
 
 class MetricsLog:
-    """RUN_DIR/metrics.jsonl: {"kind": "train"|"valid", "time": ..., ...} per line; survives resume."""
+    """RUN_DIR/metrics.jsonl: {"kind": "train"|"valid", "time": ..., ...} per line; survives resume.
 
-    def __init__(self, path: Path) -> None:
+    When the optional `tensorboard` package is installed, the same scalars also go to
+    RUN_DIR/tensorboard/ as TensorBoard events.
+    """
+
+    def __init__(self, path: Path, *, tensorboard: bool = False) -> None:
         self.path = path
+        self._events = None
+        if tensorboard and importlib.util.find_spec("tensorboard") is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._events = SummaryWriter(str(path.parent / "tensorboard"))
 
     def write(self, kind: str, **values: float | int) -> None:
         with open(self.path, "a", encoding="utf-8") as handle:
             handle.write(json.dumps({"kind": kind, "time": round(time.time(), 3), **values}) + "\n")
+        if self._events is not None:
+            for name, value in values.items():
+                if name != "step":
+                    self._events.add_scalar(f"{kind}/{name}", value, values["step"])
+            self._events.flush()
 
     def truncate_after(self, step: int) -> None:
         """Forget records past `step`: a resumed run logs those steps again."""

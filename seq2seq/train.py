@@ -28,6 +28,12 @@ from seq2seq.translate import translate_lines
 
 log = logging.getLogger(__name__)
 
+MAX_SKIPPED_IN_A_ROW = 20  # fp16 loss scaling alone can skip a few in a row; this many means divergence
+
+
+class TrainingDiverged(UserInputError):
+    """Too many consecutive updates with non-finite gradients: the settings need changing."""
+
 
 @dataclass
 class Progress:
@@ -81,7 +87,8 @@ class Trainer:
         )
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=tc.precision == "fp16")
         self.progress = Progress()
-        self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
+        self.skipped_in_a_row = 0
+        self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", tensorboard=True)
         if resume:
             self._restore(_latest_checkpoint(self.checkpoints))
 
@@ -101,10 +108,11 @@ class Trainer:
                 group = batches[progress.next_batch : progress.next_batch + tc.accum_steps]
                 progress.next_batch += len(group)
                 started = time.perf_counter()
-                loss_sum, tokens = self._update([make_batch(self.data.train, indices) for indices in group])
+                loss_sum, tokens, applied = self._update([make_batch(self.data.train, indices) for indices in group])
                 progress.train_seconds += time.perf_counter() - started
-                window_loss += loss_sum
-                window_tokens += tokens
+                if applied:  # a skipped (non-finite) step would poison the logged average
+                    window_loss += loss_sum
+                    window_tokens += tokens
                 bar.update(1)
                 if progress.step % tc.log_every == 0:
                     elapsed = time.perf_counter() - window_start
@@ -126,8 +134,12 @@ class Trainer:
         log.info("stopped after %d steps: %s", progress.step, stop_reason)
         return TrainResult(dataclasses.replace(progress), self.checkpoints / "last.pt", stop_reason)
 
-    def _update(self, batches: list[Batch]) -> tuple[torch.Tensor, int]:
-        """One optimizer update over `batches` (gradient accumulation), in the canonical AMP order."""
+    def _update(self, batches: list[Batch]) -> tuple[torch.Tensor, int, bool]:
+        """One optimizer update over `batches` (gradient accumulation), in the canonical AMP order.
+
+        Returns the summed loss, the target tokens and whether the update was applied: an update
+        with non-finite gradients (fp16 overflow, NaN loss) is skipped, never applied.
+        """
         tc, progress = self.config.train, self.progress
         total_tokens = sum(batch.num_tokens for batch in batches)
         loss_sum = torch.zeros((), device=self.device)
@@ -150,14 +162,27 @@ class Trainer:
             scale = self.scaler.get_scale()
             self.scaler.step(self.optimizer)  # skips the step itself when gradients overflowed
             self.scaler.update()
-            progress.skipped_steps += int(self.scaler.get_scale() < scale)
-        elif torch.isfinite(self.grad_norm):
-            self.optimizer.step()
+            applied = self.scaler.get_scale() >= scale
         else:
-            progress.skipped_steps += 1
-            log.warning("step %d: non-finite gradient norm; update skipped", progress.step)
+            applied = bool(torch.isfinite(self.grad_norm))
+            if applied:
+                self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss_sum, total_tokens
+        if not applied:
+            self._count_skipped_step()
+        else:
+            self.skipped_in_a_row = 0
+        return loss_sum, total_tokens, applied
+
+    def _count_skipped_step(self) -> None:
+        self.progress.skipped_steps += 1
+        self.skipped_in_a_row += 1
+        log.warning("step %d: non-finite gradients; update skipped", self.progress.step)
+        if self.skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:
+            raise TrainingDiverged(
+                f"training diverged: {self.skipped_in_a_row} updates in a row had non-finite gradients "
+                f"(step {self.progress.step}); lower train.lr, raise train.warmup_steps or use fp32/bf16"
+            )
 
     def _log_train(self, bar: tqdm, loss: float, tokens_per_second: float) -> None:
         lr = self.optimizer.param_groups[0]["lr"]
@@ -175,8 +200,6 @@ class Trainer:
             tokens_per_second=tokens_per_second,
             peak_memory_mb=peak_memory_mb(self.device),
         )
-        if not math.isfinite(loss):
-            raise UserInputError(f"step {self.progress.step}: the training loss is {loss}; lower train.lr or use fp32")
 
     @torch.no_grad()
     def evaluate_valid(self) -> tuple[float, Scores, list[str]]:

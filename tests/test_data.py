@@ -132,4 +132,8 @@ def test_epoch_batches_are_deterministic_per_seed_and_epoch_and_low_padding(demo
     other = epoch_batches(corpus, max_tokens=300, seed=1, epoch=2)
     assert all(np.array_equal(a, b) for a, b in zip(first, again))
     assert not all(len(a) == len(b) and np.array_equal(a, b) for a, b in zip(first, other))
-    assert padding_fraction(corpus, first) < 0.1
+    assert 0.0 < padding_fraction(corpus, first) < 0.1
+    one_batch_per_sentence = [np.array([i]) for i in range(len(corpus))]
+    assert padding_fraction(corpus, one_batch_per_sentence) == 0.0
+    random_batches = np.array_split(np.random.default_rng(2).permutation(len(corpus)), 40)
+    assert padding_fraction(corpus, random_batches) > 0.3

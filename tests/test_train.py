@@ -195,3 +195,23 @@ def test_existing_run_directory_is_not_overwritten(tmp_path, tiny_data):
     make_trainer(tmp_path, tiny_data, max_steps=2, valid_every=100).run()
     with pytest.raises(UserInputError, match="already has checkpoints; pass --resume"):
         make_trainer(tmp_path, tiny_data, max_steps=2)
+
+
+def test_non_finite_steps_are_skipped_and_too_many_stop_with_a_message(tmp_path, tiny_data, monkeypatch):
+    import seq2seq.train as train_module
+
+    trainer = make_trainer(tmp_path, tiny_data, max_steps=100, log_every=5, valid_every=1000)
+    before = {name: p.clone() for name, p in trainer.model.named_parameters()}
+    real_loss = train_module.token_loss
+    monkeypatch.setattr(train_module, "token_loss", lambda *a: real_loss(*a) * float("nan"))
+    with pytest.raises(train_module.TrainingDiverged, match="20 updates in a row had non-finite gradients"):
+        trainer.run()
+    assert trainer.progress.skipped_steps == train_module.MAX_SKIPPED_IN_A_ROW
+    for name, param in trainer.model.named_parameters():
+        assert torch.equal(param, before[name]), name  # nothing was applied
+
+
+def test_tensorboard_events_when_the_optional_extra_is_installed(tmp_path, tiny_data):
+    pytest.importorskip("tensorboard", reason="optional extra: pip install -e '.[tensorboard]'")
+    make_trainer(tmp_path, tiny_data, max_steps=4, log_every=2, valid_every=100).run()
+    assert any((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))

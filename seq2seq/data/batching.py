@@ -82,7 +82,8 @@ def make_batch(corpus: EncodedCorpus, indices: np.ndarray) -> Batch:
 
 
 def padding_fraction(corpus: EncodedCorpus, batches: list[np.ndarray]) -> float:
-    """Share of target positions in the batches that are padding (wasted work)."""
-    lengths = corpus.tgt.lengths() + 1
-    padded = sum(len(b) * int(lengths[b].max()) for b in batches)
-    return 1.0 - float(lengths.sum()) / padded if padded else 0.0
+    """Share of source and target positions in the batches that are padding (wasted work)."""
+    src_lengths, tgt_lengths = corpus.src.lengths(), corpus.tgt.lengths() + 1  # +1: BOS/EOS shift
+    real = sum(int(src_lengths[b].sum() + tgt_lengths[b].sum()) for b in batches)
+    padded = sum(len(b) * int(src_lengths[b].max() + tgt_lengths[b].max()) for b in batches)
+    return 1.0 - real / padded if padded else 0.0
