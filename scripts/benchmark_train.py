@@ -74,7 +74,7 @@ def run_ours(args, queue) -> None:
     for step in range(args.warmup + args.steps):
         batch = make_batch(trainer.data.train, batches[step % len(batches)])
         start = time.perf_counter()
-        trainer._update([batch])
+        trainer._update([batch], batch.num_tokens)
         if step >= args.warmup:
             seconds += time.perf_counter() - start
             tokens += batch.num_tokens

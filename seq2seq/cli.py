@@ -9,6 +9,8 @@ import contextlib
 import functools
 import json
 import logging
+import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -51,7 +53,8 @@ def _setup_logging() -> None:
     handler.setFormatter(logging.Formatter("%(asctime)s | %(message)s", "%H:%M:%S"))
     root = logging.getLogger("seq2seq")
     root.handlers[:] = [handler]
-    root.setLevel(logging.INFO)
+    is_main_rank = int(os.environ.get("RANK", "0")) == 0  # under torchrun, rank 0 alone reports progress
+    root.setLevel(logging.INFO if is_main_rank else logging.WARNING)
 
 
 def user_errors(command):
@@ -110,6 +113,9 @@ def train(
         ),
     ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", help="No progress bar.")] = False,
+    nproc: Annotated[
+        int, typer.Option("--nproc", min=1, help="Processes (GPUs) on this machine: >1 launches torchrun with DDP.")
+    ] = 1,
 ) -> None:
     """Train a model (and its tokenizer, if the run has none yet).
 
@@ -118,16 +124,35 @@ def train(
     Examples:
       seq2seq train configs/demo.yaml --set train.max_steps=2000
       seq2seq train configs/demo.yaml --resume runs/demo
+      seq2seq train configs/wmt14_en_de_base.yaml --nproc 8      (= torchrun --nproc_per_node 8 -m seq2seq train ...)
     """
     from seq2seq.config import load_config
+    from seq2seq.distributed import shutdown_distributed
     from seq2seq.train import Trainer
 
-    cfg = load_config(config, overrides or [])
+    cfg = load_config(config, overrides or [])  # validated once here, before any process is launched
     directory = resume if resume is not None else _run_dir(config, run_dir)
-    result = Trainer(cfg, directory, resume=resume is not None, show_progress=not quiet).run()
-    typer.echo(
-        f"stopped after {result.progress.step} steps ({result.stop_reason}); checkpoint: {result.last_checkpoint}"
-    )
+    if nproc > 1 and "WORLD_SIZE" not in os.environ:
+        raise typer.Exit(_launch_torchrun(nproc, config, overrides or [], directory, resume is not None, quiet))
+    try:
+        result = Trainer(cfg, directory, resume=resume is not None, show_progress=not quiet).run()
+    finally:
+        shutdown_distributed()
+    if int(os.environ.get("RANK", "0")) == 0:
+        typer.echo(
+            f"stopped after {result.progress.step} steps ({result.stop_reason}); checkpoint: {result.last_checkpoint}"
+        )
+
+
+def _launch_torchrun(nproc: int, config: Path, overrides: list[str], run_dir: Path, resume: bool, quiet: bool) -> int:
+    """Run this same training under torchrun on this machine; returns its exit code."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               "-m", "seq2seq", "train", str(config), "--resume" if resume else "--run-dir", str(run_dir)]  # fmt: skip
+    for item in overrides:
+        command += ["--set", item]
+    if quiet:
+        command.append("--quiet")
+    return subprocess.run(command, check=False).returncode
 
 
 CheckpointOption = Annotated[Path, typer.Option("--checkpoint", "-c", help="A checkpoint (.pt) from training.")]

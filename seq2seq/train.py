@@ -1,8 +1,9 @@
 """The training loop: teacher forcing, label-smoothed loss, warmup schedule, clipping, mixed precision,
-periodic validation BLEU, atomic checkpoints and exact resume."""
+periodic validation BLEU, atomic checkpoints, exact resume, and DistributedDataParallel under torchrun."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -11,20 +12,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 import yaml
+from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from seq2seq import checkpoint as ckpt
 from seq2seq.config import Config
 from seq2seq.data.batching import Batch, epoch_batches, make_batch
 from seq2seq.data.prepare import TrainingData, load_or_train_tokenizer, prepare_training_data, read_split
+from seq2seq.distributed import setup_distributed
 from seq2seq.errors import UserInputError
-from seq2seq.evaluate import Scores, score
 from seq2seq.run_log import MetricsLog, peak_memory_mb
 from seq2seq.schedule import learning_rate
-from seq2seq.tokenizer import PAD_ID
-from seq2seq.translate import translate_lines
+from seq2seq.tokenizer import Tokenizer
+from seq2seq.validation import ValidationResult, token_loss, validate
 
 log = logging.getLogger(__name__)
 
@@ -55,32 +56,29 @@ class TrainResult:
     stop_reason: str
 
 
-def token_loss(logits: torch.Tensor, target: torch.Tensor, smoothing: float) -> torch.Tensor:
-    """Summed label-smoothed cross entropy over non-pad positions; logits (B, T, V), target (B, T)."""
-    return F.cross_entropy(
-        logits.float().flatten(0, 1), target.flatten(), ignore_index=PAD_ID, label_smoothing=smoothing, reduction="sum"
-    )
-
-
 class Trainer:
     def __init__(self, config: Config, run_dir: Path, *, resume: bool = False, show_progress: bool = True) -> None:
-        self.config, self.run_dir, self.show_progress = config, Path(run_dir), show_progress
+        self.config, self.run_dir = config, Path(run_dir)
         tc = config.train
+        self.dist = setup_distributed()
+        self.show_progress = show_progress and self.dist.is_main
         if tc.threads:
             torch.set_num_threads(tc.threads)
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = self.dist.device()
         if tc.precision == "fp16" and self.device.type != "cuda":
             raise UserInputError("train.precision: fp16 needs a CUDA GPU (loss scaling); use bf16 or fp32 on CPU")
         self.checkpoints = self.run_dir / "checkpoints"
         _check_run_dir(self.checkpoints, resume)
         torch.manual_seed(tc.seed)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
         train_text = read_split(config, "train")
-        self.tokenizer = load_or_train_tokenizer(config, self.run_dir / "tokenizer", train_text)
+        self.tokenizer = self._shared_tokenizer(train_text)
         self.data: TrainingData = prepare_training_data(config, self.tokenizer, train_text)
         self.model = ckpt.build_model(config, self.tokenizer).to(self.device)
-        self.forward = torch.compile(self.model) if tc.compile else self.model
+        if self.dist.enabled:  # same initial weights everywhere (DDP also broadcasts them); own dropout streams
+            torch.manual_seed(tc.seed + 7919 * self.dist.rank)
+        self.ddp = DistributedDataParallel(self.model) if self.dist.enabled else None
+        wrapped = self.ddp or self.model
+        self.forward = torch.compile(wrapped) if tc.compile else wrapped
         optimizer_class = torch.optim.AdamW if tc.optimizer == "adamw" else torch.optim.Adam
         self.optimizer = optimizer_class(
             self.model.parameters(), lr=0.0, betas=tc.betas, eps=tc.eps, weight_decay=tc.weight_decay
@@ -88,44 +86,61 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=tc.precision == "fp16")
         self.progress = Progress()
         self.skipped_in_a_row = 0
-        self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", tensorboard=True)
+        self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", tensorboard=self.dist.is_main)
         if resume:
             self._restore(_latest_checkpoint(self.checkpoints))
+
+    def _shared_tokenizer(self, train_text) -> Tokenizer:
+        """Rank 0 prepares the run directory and tokenizer; the other ranks wait, then read them."""
+        directory = self.run_dir / "tokenizer"
+        if self.dist.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.yaml").write_text(yaml.safe_dump(self.config.to_dict(), sort_keys=False))
+            tokenizer = load_or_train_tokenizer(self.config, directory, train_text)
+        self.dist.barrier()
+        return tokenizer if self.dist.is_main else Tokenizer.load(directory)
 
     def autocast(self):
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.config.train.precision)
         return torch.autocast(self.device.type, dtype=dtype or torch.float32, enabled=dtype is not None)
 
     def run(self) -> TrainResult:
-        tc, progress = self.config.train, self.progress
+        tc, progress, dist = self.config.train, self.progress, self.dist
+        per_update = tc.accum_steps * dist.world_size  # batches consumed by one optimizer update
         log.info("model: %.2fM parameters; training on %s", _parameter_count(self.model) / 1e6, self.device)
+        log.info("effective batch: up to %d tokens x %d ranks x %d accumulation steps = %d tokens per update",
+                 tc.max_tokens, dist.world_size, tc.accum_steps, tc.max_tokens * per_update)  # fmt: skip
         bar = tqdm(total=tc.max_steps, initial=progress.step, desc="train", unit="step", disable=not self.show_progress)
+        target_lengths = self.data.train.tgt.lengths() + 1
         window_loss, window_tokens, window_start = torch.zeros((), device=self.device), 0, time.perf_counter()
         stop_reason = ""
         while not stop_reason:
             batches = epoch_batches(self.data.train, max_tokens=tc.max_tokens, seed=tc.seed, epoch=progress.epoch)
-            while progress.next_batch < len(batches) and not stop_reason:
-                group = batches[progress.next_batch : progress.next_batch + tc.accum_steps]
-                progress.next_batch += len(group)
+            if len(batches) < per_update:
+                raise UserInputError(f"data.train: {len(batches)} batches per epoch; one update needs {per_update}")
+            while progress.next_batch + per_update <= len(batches) and not stop_reason:
+                group = batches[progress.next_batch : progress.next_batch + per_update]
+                progress.next_batch += per_update
+                mine = group[dist.rank * tc.accum_steps : (dist.rank + 1) * tc.accum_steps]
+                update_tokens = int(sum(target_lengths[indices].sum() for indices in group))
                 started = time.perf_counter()
-                loss_sum, tokens, applied = self._update([make_batch(self.data.train, indices) for indices in group])
+                loss_sum, applied = self._update([make_batch(self.data.train, i) for i in mine], update_tokens)
                 progress.train_seconds += time.perf_counter() - started
                 if applied:  # a skipped (non-finite) step would poison the logged average
                     window_loss += loss_sum
-                    window_tokens += tokens
+                    window_tokens += int(sum(target_lengths[indices].sum() for indices in mine))
                 bar.update(1)
                 if progress.step % tc.log_every == 0:
-                    elapsed = time.perf_counter() - window_start
-                    loss = window_loss.item() / max(window_tokens, 1)
-                    self._log_train(bar, loss, window_tokens / elapsed)
+                    loss, tokens = dist.sum([window_loss.item(), window_tokens], self.device)
+                    self._log_train(bar, loss / max(tokens, 1), tokens / (time.perf_counter() - window_start))
                     window_loss.zero_()
                     window_tokens, window_start = 0, time.perf_counter()
                 if progress.step % tc.valid_every == 0:
                     self._validate(bar)
-                stop_reason = self._stop_reason()
+                stop_reason = dist.broadcast(self._stop_reason())
                 if progress.step % tc.save_every == 0 or stop_reason:
                     self._save()
-            if progress.next_batch >= len(batches):
+            if progress.next_batch + per_update > len(batches):
                 progress.epoch, progress.next_batch = progress.epoch + 1, 0
                 if tc.max_epochs and progress.epoch > tc.max_epochs and not stop_reason:
                     stop_reason = f"max_epochs ({tc.max_epochs})"
@@ -134,22 +149,27 @@ class Trainer:
         log.info("stopped after %d steps: %s", progress.step, stop_reason)
         return TrainResult(dataclasses.replace(progress), self.checkpoints / "last.pt", stop_reason)
 
-    def _update(self, batches: list[Batch]) -> tuple[torch.Tensor, int, bool]:
-        """One optimizer update over `batches` (gradient accumulation), in the canonical AMP order.
+    def _update(self, batches: list[Batch], update_tokens: int) -> tuple[torch.Tensor, bool]:
+        """One optimizer update over this rank's `batches`, in the canonical AMP order.
 
-        Returns the summed loss, the target tokens and whether the update was applied: an update
-        with non-finite gradients (fp16 overflow, NaN loss) is skipped, never applied.
+        The loss is normalised by the target tokens of the whole update on all ranks (`update_tokens`),
+        so any split over ranks and accumulation steps gives the same gradient. Returns the summed
+        loss and whether the update was applied: one with non-finite gradients (fp16 overflow, NaN
+        loss) is skipped, never applied.
         """
         tc, progress = self.config.train, self.progress
-        total_tokens = sum(batch.num_tokens for batch in batches)
         loss_sum = torch.zeros((), device=self.device)
         self.model.train()
-        for batch in batches:
+        for index, batch in enumerate(batches):
             batch = batch.to(self.device)
-            with self.autocast():
-                logits = self.forward(batch.src, batch.tgt_in)
-            loss = token_loss(logits, batch.tgt_out, tc.label_smoothing)
-            self.scaler.scale(loss / total_tokens).backward()
+            last = index == len(batches) - 1
+            # Inner accumulation steps skip DDP's gradient all-reduce; the last one syncs everything.
+            sync = contextlib.nullcontext() if self.ddp is None or last else self.ddp.no_sync()
+            with sync:
+                with self.autocast():
+                    logits = self.forward(batch.src, batch.tgt_in)
+                loss = token_loss(logits, batch.tgt_out, tc.label_smoothing)
+                self.scaler.scale(loss * (self.dist.world_size / update_tokens)).backward()  # DDP averages ranks
             loss_sum += loss.detach()
         progress.step += 1
         lr = learning_rate(progress.step, tc, d_model=self.config.model.d_model)
@@ -168,11 +188,11 @@ class Trainer:
             if applied:
                 self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if not applied:
-            self._count_skipped_step()
-        else:
+        if applied:
             self.skipped_in_a_row = 0
-        return loss_sum, total_tokens, applied
+        else:
+            self._count_skipped_step()
+        return loss_sum, applied
 
     def _count_skipped_step(self) -> None:
         self.progress.skipped_steps += 1
@@ -185,8 +205,9 @@ class Trainer:
             )
 
     def _log_train(self, bar: tqdm, loss: float, tokens_per_second: float) -> None:
+        if not self.dist.is_main:
+            return
         lr = self.optimizer.param_groups[0]["lr"]
-        grad_norm = float(self.grad_norm)
         bar.set_postfix(
             epoch=self.progress.epoch, loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_second:,.0f}"
         )
@@ -196,48 +217,38 @@ class Trainer:
             epoch=self.progress.epoch,
             loss=loss,
             lr=lr,
-            grad_norm=grad_norm,
+            grad_norm=float(self.grad_norm),
             tokens_per_second=tokens_per_second,
+            skipped_steps=self.progress.skipped_steps,
             peak_memory_mb=peak_memory_mb(self.device),
         )
 
-    @torch.no_grad()
-    def evaluate_valid(self) -> tuple[float, Scores, list[str]]:
-        """Validation NLL per target token, and BLEU/chrF of at most valid_max_sentences translations."""
-        tc = self.config.train
-        self.model.eval()
-        nll, tokens = 0.0, 0
-        for indices in epoch_batches(self.data.valid, max_tokens=tc.max_tokens, seed=0, epoch=0):
-            batch = make_batch(self.data.valid, indices).to(self.device)
-            with self.autocast():
-                logits = self.model(batch.src, batch.tgt_in)
-            nll += token_loss(logits, batch.tgt_out, 0.0).item()
-            tokens += batch.num_tokens
-        count = min(tc.valid_max_sentences, len(self.data.valid_text))
-        decode = dataclasses.replace(self.config.decode, beam=tc.valid_beam, nbest=1)
-        with self.autocast():
-            translations = translate_lines(self.model, self.tokenizer, self.data.valid_text.src[:count], decode)
-        hypotheses = [t.text for t in translations]
-        return nll / max(tokens, 1), score(hypotheses, self.data.valid_text.tgt[:count]), hypotheses
+    def evaluate_valid(self) -> ValidationResult:
+        return validate(self.model, self.tokenizer, self.data, self.config, self.autocast())
 
     def _validate(self, bar: tqdm) -> None:
-        loss, scores, hypotheses = self.evaluate_valid()
-        improved = scores.bleu > self.progress.best_bleu
-        if improved:
-            self.progress.best_bleu, self.progress.stale_validations = scores.bleu, 0
-        else:
-            self.progress.stale_validations += 1
-        ppl = math.exp(min(loss, 50))
-        bar.write(
-            f"step {self.progress.step}: valid loss {loss:.3f}, ppl {ppl:.2f}, "
-            f"BLEU {scores.bleu:.2f}, chrF {scores.chrf:.2f}"
+        """Rank 0 validates; the outcome (best BLEU, patience count) is shared so all ranks stop together."""
+        progress = self.progress
+        if self.dist.is_main:
+            result = self.evaluate_valid()
+            improved = result.scores.bleu > progress.best_bleu
+            if improved:
+                progress.best_bleu, progress.stale_validations = result.scores.bleu, 0
+            else:
+                progress.stale_validations += 1
+            bar.write(f"step {progress.step}: valid loss {result.loss:.3f}, ppl {result.perplexity:.2f}, "
+                      f"BLEU {result.scores.bleu:.2f}, chrF {result.scores.chrf:.2f}")  # fmt: skip
+            samples = zip(self.data.valid_text.src, self.data.valid_text.tgt, result.hypotheses)
+            for src, ref, hyp in list(samples)[:2]:
+                bar.write(f"  src: {src}\n  ref: {ref}\n  hyp: {hyp}")
+            self.metrics.write("valid", step=progress.step, loss=result.loss, ppl=result.perplexity,
+                               bleu=result.scores.bleu, chrf=result.scores.chrf)  # fmt: skip
+            if improved:
+                # best.pt is for translation, not resuming: rank 0's own RNG state is enough (no collective)
+                ckpt.save_checkpoint(self.checkpoints / "best.pt", self._state([torch.get_rng_state()]))
+        progress.best_bleu, progress.stale_validations = self.dist.broadcast(
+            (progress.best_bleu, progress.stale_validations)
         )
-        samples = zip(self.data.valid_text.src, self.data.valid_text.tgt, hypotheses)
-        for src, ref, hyp in list(samples)[:2]:
-            bar.write(f"  src: {src}\n  ref: {ref}\n  hyp: {hyp}")
-        self.metrics.write("valid", step=self.progress.step, loss=loss, ppl=ppl, bleu=scores.bleu, chrf=scores.chrf)
-        if improved:
-            ckpt.save_checkpoint(self.checkpoints / "best.pt", self._state())
 
     def _stop_reason(self) -> str:
         tc, progress = self.config.train, self.progress
@@ -249,7 +260,11 @@ class Trainer:
             return f"no BLEU improvement in {tc.patience} validations (patience)"
         return ""
 
-    def _state(self) -> dict:
+    def _rng_states(self) -> list[torch.Tensor]:
+        """Every rank's dropout RNG state (a collective: all ranks call it together)."""
+        return self.dist.gather(torch.get_rng_state())
+
+    def _state(self, rng_states: list[torch.Tensor]) -> dict:
         return {
             "config": self.config.to_dict(),
             "tokenizer": ckpt.tokenizer_to_state(self.tokenizer),
@@ -257,13 +272,15 @@ class Trainer:
             "optimizer": self.optimizer.state_dict(),
             "scaler": self.scaler.state_dict(),
             "progress": dataclasses.asdict(self.progress),
-            "rng": {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all()},
+            "rng": {"torch": rng_states, "cuda": torch.cuda.get_rng_state_all()},
         }
 
     def _save(self) -> None:
-        step = self.progress.step
-        path = self.checkpoints / f"step_{step:08d}.pt"
-        ckpt.save_checkpoint(path, self._state())
+        rng_states = self._rng_states()
+        if not self.dist.is_main:
+            return
+        path = self.checkpoints / f"step_{self.progress.step:08d}.pt"
+        ckpt.save_checkpoint(path, self._state(rng_states))
         ckpt.link_latest(path, self.checkpoints / "last.pt")
         for old in sorted(self.checkpoints.glob("step_*.pt"))[: -self.config.train.keep_last]:
             old.unlink()
@@ -274,10 +291,17 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scaler.load_state_dict(state["scaler"])
         self.progress = Progress(**state["progress"])
-        torch.set_rng_state(state["rng"]["torch"])
+        rng_states = state["rng"]["torch"]
+        if len(rng_states) == self.dist.world_size:
+            torch.set_rng_state(rng_states[self.dist.rank])
+        else:  # resumed with another number of ranks: dropout streams cannot continue exactly
+            log.warning("resuming %d ranks from a %d-rank run: dropout is reseeded", self.dist.world_size,
+                        len(rng_states))  # fmt: skip
+            torch.manual_seed(self.config.train.seed + 7919 * self.dist.rank + self.progress.step)
         if torch.cuda.is_available() and state["rng"]["cuda"]:
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-        self.metrics.truncate_after(self.progress.step)
+        if self.dist.is_main:
+            self.metrics.truncate_after(self.progress.step)
         log.info("resumed from %s at step %d", path, self.progress.step)
 
 

@@ -31,7 +31,7 @@ def make_trainer(tmp_path: Path, data: Path, name: str = "run", **train) -> Trai
 @pytest.mark.slow
 def test_tiny_model_learns_loss_falls_and_bleu_rises(tmp_path, tiny_data):
     trainer = make_trainer(tmp_path, tiny_data, max_steps=300, valid_every=300, log_every=20)
-    _, untrained, _ = trainer.evaluate_valid()
+    untrained = trainer.evaluate_valid().scores
     trainer.run()
     records = trainer.metrics.read()
     train_losses = [r["loss"] for r in records if r["kind"] == "train"]
@@ -64,8 +64,10 @@ def test_gradient_accumulation_equals_one_full_batch(tmp_path, tiny_data):
         trainer.optimizer = torch.optim.SGD(trainer.model.parameters(), lr=0.0)
     indices = epoch_batches(full.data.train, max_tokens=2048, seed=1, epoch=1)[0]
     half = len(indices) // 2
-    full._update([make_batch(full.data.train, indices)])
-    halves._update([make_batch(full.data.train, indices[:half]), make_batch(full.data.train, indices[half:])])
+    whole = make_batch(full.data.train, indices)
+    full._update([whole], whole.num_tokens)
+    parts = [make_batch(full.data.train, indices[:half]), make_batch(full.data.train, indices[half:])]
+    halves._update(parts, whole.num_tokens)
     for (name, a), b in zip(full.model.named_parameters(), halves.model.parameters()):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=name)
 

@@ -1,0 +1,62 @@
+"""DDP on CPU with gloo: two ranks equal one process with the same global batch, and resume works."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from seq2seq.checkpoint import read_checkpoint
+
+from .conftest import tiny_config_dict
+
+pytestmark = pytest.mark.slow
+
+
+def train(config: Path, run_dir: Path, *extra: str) -> None:
+    where = ["--resume", str(run_dir)] if "--resume" in extra else ["--run-dir", str(run_dir)]
+    command = [sys.executable, "-m", "seq2seq", "train", str(config), "--quiet", *where]
+    command += [arg for arg in extra if arg != "--resume"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def final_parameters(run_dir: Path) -> dict[str, torch.Tensor]:
+    return read_checkpoint(run_dir / "checkpoints" / "last.pt")["model"]
+
+
+@pytest.fixture
+def config(tmp_path, tiny_data) -> Path:
+    raw = tiny_config_dict(tiny_data, max_steps=6, save_every=3, valid_every=100, log_every=3, threads=1)
+    raw["model"]["dropout"] = 0.0  # ranks draw their own dropout masks; compare the arithmetic alone
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def test_two_ranks_equal_one_process_with_the_same_global_batch(tmp_path, config):
+    train(config, tmp_path / "ddp", "--nproc", "2")
+    train(config, tmp_path / "single", "--set", "train.accum_steps=2")
+    ddp, single = final_parameters(tmp_path / "ddp"), final_parameters(tmp_path / "single")
+    for name, tensor in single.items():
+        torch.testing.assert_close(ddp[name], tensor, atol=1e-6, rtol=0, msg=name)
+    halfway = read_checkpoint(tmp_path / "single" / "checkpoints" / "step_00000003.pt")["model"]
+    assert not torch.equal(halfway["output_proj.weight"], single["output_proj.weight"])  # training moved them
+    log = (tmp_path / "ddp" / "metrics.jsonl").read_text().splitlines()
+    assert [yaml.safe_load(line)["step"] for line in log] == [3, 6]  # rank 0 alone logs
+
+
+def test_two_ranks_resume_where_they_stopped(tmp_path, config):
+    train(config, tmp_path / "straight", "--nproc", "2")
+    train(config, tmp_path / "stopped", "--nproc", "2", "--set", "train.max_steps=3")
+    train(config, tmp_path / "stopped", "--nproc", "2", "--resume")
+    straight, resumed = final_parameters(tmp_path / "straight"), final_parameters(tmp_path / "stopped")
+    for name, tensor in straight.items():
+        torch.testing.assert_close(resumed[name], tensor, atol=1e-6, rtol=0, msg=name)
+    assert read_checkpoint(tmp_path / "stopped" / "checkpoints" / "last.pt")["progress"]["step"] == 6
