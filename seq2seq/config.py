@@ -59,6 +59,7 @@ class DataConfig:
     tgt_lang: str = "tgt"
     max_length: int = 256  # drop training pairs longer than this many tokens on either side
     max_length_ratio: float = 0.0  # drop pairs whose length ratio exceeds this; 0 disables
+    cache_dir: str = ".cache/seq2seq"  # encoded training data is kept here for later runs; "" disables
 
     def problems(self) -> list[tuple[str, str]]:
         found = []

@@ -9,8 +9,9 @@ from __future__ import annotations
 import io
 import os
 import random
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
+from typing import TypeVar
 
 import sentencepiece as spm
 
@@ -18,6 +19,7 @@ from seq2seq.config import TokenizerConfig
 from seq2seq.errors import UserInputError
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+T = TypeVar("T")
 
 
 class Tokenizer:
@@ -86,16 +88,13 @@ class Tokenizer:
         return cls.from_protos({n: (directory / f"{n}.model").read_bytes() for n in names})
 
 
-def train_tokenizer(
-    config: TokenizerConfig, src_lines: Iterable[str], tgt_lines: Iterable[str], *, seed: int = 1
-) -> Tokenizer:
-    """Train SentencePiece on a bounded random sample of the training sentences."""
+def train_tokenizer(config: TokenizerConfig, pairs: Iterable[tuple[str, str]], *, seed: int = 1) -> Tokenizer:
+    """Train SentencePiece on at most `sample_sentences` random training pairs (one pass over the data)."""
+    sample = _reservoir(pairs, config.sample_sentences, seed)
+    src, tgt = [s for s, _ in sample], [t for _, t in sample]
     if config.joint:
-        sample = _reservoir(_chain(src_lines, tgt_lines), config.sample_sentences, seed)
-        return Tokenizer(_train_model(config, sample))
-    src_sample = _reservoir(src_lines, config.sample_sentences, seed)
-    tgt_sample = _reservoir(tgt_lines, config.sample_sentences, seed + 1)
-    return Tokenizer(_train_model(config, src_sample), _train_model(config, tgt_sample))
+        return Tokenizer(_train_model(config, src + tgt))
+    return Tokenizer(_train_model(config, src), _train_model(config, tgt))
 
 
 def _train_model(config: TokenizerConfig, sentences: list[str]) -> bytes:
@@ -120,20 +119,15 @@ def _train_model(config: TokenizerConfig, sentences: list[str]) -> bytes:
     return proto.getvalue()
 
 
-def _chain(*iterables: Iterable[str]) -> Iterator[str]:
-    for iterable in iterables:
-        yield from iterable
-
-
-def _reservoir(lines: Iterable[str], size: int, seed: int) -> list[str]:
-    """A uniform random sample of at most `size` non-empty lines, in one pass."""
+def _reservoir(items: Iterable[T], size: int, seed: int) -> list[T]:
+    """A uniform random sample of at most `size` items, in one pass (Algorithm R)."""
     rng = random.Random(seed)
-    sample: list[str] = []
-    for index, line in enumerate(line for line in lines if line.strip()):
+    sample: list[T] = []
+    for index, item in enumerate(items):
         if index < size:
-            sample.append(line)
+            sample.append(item)
         elif (slot := rng.randrange(index + 1)) < size:
-            sample[slot] = line
+            sample[slot] = item
     return sample
 
 

@@ -19,7 +19,7 @@ from tqdm import tqdm
 from seq2seq import checkpoint as ckpt
 from seq2seq.config import Config
 from seq2seq.data.batching import Batch, epoch_batches, make_batch
-from seq2seq.data.prepare import TrainingData, load_or_train_tokenizer, prepare_training_data, read_split
+from seq2seq.data.prepare import TrainingData, load_or_train_tokenizer, prepare_training_data
 from seq2seq.distributed import setup_distributed
 from seq2seq.errors import UserInputError
 from seq2seq.run_log import MetricsLog, peak_memory_mb
@@ -70,9 +70,7 @@ class Trainer:
         self.checkpoints = self.run_dir / "checkpoints"
         _check_run_dir(self.checkpoints, resume)
         torch.manual_seed(tc.seed)
-        train_text = read_split(config, "train")
-        self.tokenizer = self._shared_tokenizer(train_text)
-        self.data: TrainingData = prepare_training_data(config, self.tokenizer, train_text)
+        self.tokenizer, self.data = self._shared_data()
         self.model = ckpt.build_model(config, self.tokenizer).to(self.device)
         if self.dist.enabled:  # same initial weights everywhere (DDP also broadcasts them); own dropout streams
             torch.manual_seed(tc.seed + 7919 * self.dist.rank)
@@ -90,15 +88,19 @@ class Trainer:
         if resume:
             self._restore(_latest_checkpoint(self.checkpoints))
 
-    def _shared_tokenizer(self, train_text) -> Tokenizer:
-        """Rank 0 prepares the run directory and tokenizer; the other ranks wait, then read them."""
+    def _shared_data(self) -> tuple[Tokenizer, TrainingData]:
+        """Rank 0 prepares the run directory, tokenizer and encoding cache; the other ranks then reuse them."""
         directory = self.run_dir / "tokenizer"
         if self.dist.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(yaml.safe_dump(self.config.to_dict(), sort_keys=False))
-            tokenizer = load_or_train_tokenizer(self.config, directory, train_text)
+            tokenizer = load_or_train_tokenizer(self.config, directory)
+            data = prepare_training_data(self.config, tokenizer)
         self.dist.barrier()
-        return tokenizer if self.dist.is_main else Tokenizer.load(directory)
+        if not self.dist.is_main:
+            tokenizer = Tokenizer.load(directory)
+            data = prepare_training_data(self.config, tokenizer)
+        return tokenizer, data
 
     def autocast(self):
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.config.train.precision)

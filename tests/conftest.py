@@ -25,7 +25,7 @@ def tiny_config_dict(data_dir: Path, **train_overrides) -> dict:
         for split in ("train", "valid", "test")
     }
     return {
-        "data": {"src_lang": "en", "tgt_lang": "xx", **splits},
+        "data": {"src_lang": "en", "tgt_lang": "xx", "cache_dir": str(data_dir.parent / "cache"), **splits},
         "tokenizer": {"vocab_size": 400},
         "model": {
             "d_model": 96,

@@ -11,7 +11,7 @@ import pytest
 from seq2seq.config import CorpusConfig
 from seq2seq.data.batching import collate, epoch_batches, padding_fraction, token_batches
 from seq2seq.data.encoded import EncodedCorpus, RaggedIds, filter_corpus
-from seq2seq.data.sources import read_corpus
+from seq2seq.data.sources import PairCounts, iter_pairs, read_corpus
 from seq2seq.errors import UserInputError
 from seq2seq.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
@@ -52,8 +52,10 @@ def test_invalid_utf8_names_the_line(tmp_path):
 def test_empty_pairs_are_dropped_and_counted(tmp_path):
     (tmp_path / "a.de").write_text("a\n\nc\n")
     (tmp_path / "a.en").write_text("A\nB\n  \n")
-    text = read(CorpusConfig(src=str(tmp_path / "a.de"), tgt=str(tmp_path / "a.en")))
-    assert (text.src, text.tgt, text.dropped_empty) == (["a"], ["A"], 2)
+    counts = PairCounts()
+    corpus = CorpusConfig(src=str(tmp_path / "a.de"), tgt=str(tmp_path / "a.en"))
+    pairs = list(iter_pairs(corpus, src_lang="de", tgt_lang="en", key="data.train", counts=counts))
+    assert (pairs, counts.kept, counts.dropped_empty) == ([("a", "A")], 1, 2)
 
 
 def test_tsv_and_its_missing_tab(tmp_path):

@@ -8,7 +8,7 @@ from seq2seq.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, train_t
 
 def test_joint_tokenizer_round_trip_and_special_ids(demo_pairs, tmp_path):
     src, tgt = zip(*demo_pairs["train"])
-    tokenizer = train_tokenizer(TokenizerConfig(vocab_size=300), src, tgt)
+    tokenizer = train_tokenizer(TokenizerConfig(vocab_size=300), demo_pairs["train"])
     assert tokenizer.joint
     model = tokenizer.src_model
     assert (model.pad_id(), model.unk_id(), model.bos_id(), model.eos_id()) == (PAD_ID, UNK_ID, BOS_ID, EOS_ID)
@@ -23,7 +23,7 @@ def test_joint_tokenizer_round_trip_and_special_ids(demo_pairs, tmp_path):
 def test_separate_vocabularies_and_sampling(demo_pairs):
     src, tgt = zip(*demo_pairs["train"])
     config = TokenizerConfig(vocab_size=200, joint=False, model_type="bpe", sample_sentences=500)
-    tokenizer = train_tokenizer(config, src, tgt)
+    tokenizer = train_tokenizer(config, demo_pairs["train"])
     assert not tokenizer.joint
     assert set(tokenizer.protos()) == {"src", "tgt"}
     assert tokenizer.decode_tgt(tokenizer.encode_tgt([tgt[5]])[0]) == tgt[5]

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
@@ -10,6 +14,7 @@ from seq2seq.errors import UserInputError
 from seq2seq.tokenizer import Tokenizer
 
 ENCODE_CHUNK = 50_000  # sentences per tokenizer call: bounds the temporary Python lists
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -46,7 +51,13 @@ class RaggedIds:
         return np.diff(self.offsets)
 
     def subset(self, keep: np.ndarray) -> RaggedIds:
-        return RaggedIds.from_lists([self[i].tolist() for i in np.flatnonzero(keep)])
+        """The sentences where the boolean mask `keep` is true, gathered without a Python loop."""
+        lengths = self.lengths()[keep]
+        starts = self.offsets[:-1][keep]
+        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        positions = np.repeat(starts - offsets[:-1], lengths) + np.arange(offsets[-1], dtype=np.int64)
+        return RaggedIds(np.ascontiguousarray(self.ids[positions]), offsets)
 
 
 @dataclass(frozen=True)
@@ -56,6 +67,26 @@ class EncodedCorpus:
 
     def __len__(self) -> int:
         return len(self.src)
+
+    @classmethod
+    def concatenate(cls, parts: list[EncodedCorpus]) -> EncodedCorpus:
+        return cls(RaggedIds.concatenate([p.src for p in parts]), RaggedIds.concatenate([p.tgt for p in parts]))
+
+    def save(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        for side in ("src", "tgt"):
+            ragged = getattr(self, side)
+            np.save(directory / f"{side}_ids.npy", ragged.ids)
+            np.save(directory / f"{side}_offsets.npy", ragged.offsets)
+
+    @classmethod
+    def load(cls, directory: Path) -> EncodedCorpus:
+        """Memory-mapped: the ids stay on disk and are paged in as batches touch them."""
+        sides = [
+            RaggedIds(np.load(directory / f"{side}_ids.npy", mmap_mode="r"), np.load(directory / f"{side}_offsets.npy"))
+            for side in ("src", "tgt")
+        ]
+        return cls(*sides)
 
 
 @dataclass(frozen=True)
@@ -68,13 +99,25 @@ class FilterReport:
         return f"kept {self.kept} pairs; removed {self.too_long} too long, {self.bad_ratio} with a bad length ratio"
 
 
-def encode_corpus(tokenizer: Tokenizer, src: list[str], tgt: list[str]) -> EncodedCorpus:
-    """Encode sentences in chunks with all cores (SentencePiece threads)."""
-    chunks = range(0, len(src), ENCODE_CHUNK)
-    return EncodedCorpus(
-        RaggedIds.concatenate([RaggedIds.from_lists(tokenizer.encode_src(src[i : i + ENCODE_CHUNK])) for i in chunks]),
-        RaggedIds.concatenate([RaggedIds.from_lists(tokenizer.encode_tgt(tgt[i : i + ENCODE_CHUNK])) for i in chunks]),
-    )
+def encode_pairs(tokenizer: Tokenizer, pairs: Iterable[tuple[str, str]]) -> EncodedCorpus:
+    """Encode a stream of pairs chunk by chunk with all cores (SentencePiece threads); only one chunk
+    of text is held in memory at a time."""
+    parts = []
+    for chunk in _chunks(pairs, ENCODE_CHUNK):
+        src, tgt = zip(*chunk)
+        parts.append(
+            EncodedCorpus(
+                RaggedIds.from_lists(tokenizer.encode_src(list(src))),
+                RaggedIds.from_lists(tokenizer.encode_tgt(list(tgt))),
+            )
+        )
+    return EncodedCorpus.concatenate(parts)
+
+
+def _chunks(items: Iterable[T], size: int) -> Iterator[list[T]]:
+    iterator = iter(items)
+    while chunk := list(itertools.islice(iterator, size)):
+        yield chunk
 
 
 def filter_corpus(

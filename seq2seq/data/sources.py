@@ -7,6 +7,7 @@ NFC-normalised so that visually equal text gets equal token ids.
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
 import unicodedata
 from collections.abc import Iterator
@@ -20,33 +21,64 @@ from seq2seq.errors import UserInputError
 
 @dataclass
 class ParallelText:
-    """Aligned source and target sentences; `dropped_empty` counts pairs removed for an empty side."""
+    """Aligned source and target sentences, held in memory (validation and test splits)."""
 
     src: list[str]
     tgt: list[str]
-    dropped_empty: int = 0
 
     def __len__(self) -> int:
         return len(self.src)
 
 
-def read_corpus(corpus: CorpusConfig, *, src_lang: str, tgt_lang: str, key: str) -> ParallelText:
-    """Read one split; `key` (e.g. 'data.train') names the config section in error messages."""
+@dataclass
+class PairCounts:
+    """Filled in while a stream of pairs is consumed."""
+
+    kept: int = 0
+    dropped_empty: int = 0  # pairs with an empty side
+
+
+def iter_pairs(
+    corpus: CorpusConfig, *, src_lang: str, tgt_lang: str, key: str, counts: PairCounts | None = None
+) -> Iterator[tuple[str, str]]:
+    """Stream one split's non-empty pairs; `key` (e.g. 'data.train') names the config section in errors."""
+    counts = counts if counts is not None else PairCounts()
     if corpus.format == "text":
-        src, tgt = list(read_lines(corpus.src)), list(read_lines(corpus.tgt))
-        if len(src) != len(tgt):
-            raise UserInputError(
-                f"{key}: {corpus.src} has {len(src)} lines but {corpus.tgt} has {len(tgt)}; "
-                "parallel files need one sentence per line on both sides"
-            )
-        pairs = zip(src, tgt)
+        pairs = _text_pairs(corpus.src, corpus.tgt, key)
     elif corpus.format == "tsv":
         pairs = _tsv_pairs(corpus.path)
     elif corpus.format == "jsonl":
         pairs = _jsonl_pairs(corpus.path, corpus.src_field, corpus.tgt_field)
     else:
         pairs = _hf_pairs(corpus, src_lang=src_lang, tgt_lang=tgt_lang, key=key)
-    return _drop_empty(pairs)
+    for src, tgt in pairs:
+        if src and tgt:
+            counts.kept += 1
+            yield src, tgt
+        else:
+            counts.dropped_empty += 1
+
+
+def read_corpus(corpus: CorpusConfig, *, src_lang: str, tgt_lang: str, key: str) -> ParallelText:
+    """One split in memory; for small splits (large training sets are streamed with iter_pairs)."""
+    text = ParallelText([], [])
+    for src, tgt in iter_pairs(corpus, src_lang=src_lang, tgt_lang=tgt_lang, key=key):
+        text.src.append(src)
+        text.tgt.append(tgt)
+    return text
+
+
+def _text_pairs(src_path: str, tgt_path: str, key: str) -> Iterator[tuple[str, str]]:
+    src_lines, tgt_lines = read_lines(src_path), read_lines(tgt_path)
+    for count, (src, tgt) in enumerate(itertools.zip_longest(src_lines, tgt_lines)):
+        if src is None or tgt is None:  # one file ended first: count the rest of the other for the message
+            rest = 1 + sum(1 for _ in (tgt_lines if src is None else src_lines))
+            src_count, tgt_count = (count, count + rest) if src is None else (count + rest, count)
+            raise UserInputError(
+                f"{key}: {src_path} has {src_count} lines but {tgt_path} has {tgt_count}; "
+                "parallel files need one sentence per line on both sides"
+            )
+        yield src, tgt
 
 
 def read_lines(path: str | Path) -> Iterator[str]:
@@ -150,14 +182,3 @@ def _load_hf(corpus: CorpusConfig, key: str):
     except Exception as exc:  # datasets raises many types (network, missing config, bad split)
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UserInputError(f"{key}: could not load the dataset: {first_line}") from None
-
-
-def _drop_empty(pairs) -> ParallelText:
-    text = ParallelText([], [])
-    for src, tgt in pairs:
-        if src and tgt:
-            text.src.append(src)
-            text.tgt.append(tgt)
-        else:
-            text.dropped_empty += 1
-    return text

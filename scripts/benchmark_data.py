@@ -1,0 +1,120 @@
+#!/usr/bin/env python3
+"""Data preparation at scale: a synthetic corpus of 1M pairs, prepared in a fresh process.
+
+Prints tokenizer training time, encoding time and throughput (pairs/s) on a cache miss, the time
+of a cache hit, peak RSS of the preparing process, and batches/s of the training loader.
+
+    python scripts/benchmark_data.py [--pairs 1000000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+
+def write_corpus(directory: Path, pairs: int) -> None:
+    from seq2seq.demo_data import make_demo_corpus
+
+    corpus = make_demo_corpus(seed=11, sizes={"train": pairs, "valid": 500})
+    for split, rows in corpus.items():
+        for lang, side in (("en", 0), ("xx", 1)):
+            with open(directory / f"{split}.{lang}", "w", encoding="utf-8") as handle:
+                handle.writelines(row[side] + "\n" for row in rows)
+
+
+def prepare_and_measure(config_path: str, queue) -> None:
+    """Runs in its own process so that its peak RSS is the preparation's alone."""
+    from seq2seq.config import load_config
+    from seq2seq.data.batching import epoch_batches, make_batch
+    from seq2seq.data.prepare import encode_training_split, load_or_train_tokenizer
+
+    config = load_config(config_path)
+    work = Path(config_path).parent
+    start = time.perf_counter()
+    tokenizer = load_or_train_tokenizer(config, work / "tokenizer")
+    tokenizer_seconds = time.perf_counter() - start
+    start = time.perf_counter()
+    corpus = encode_training_split(config, tokenizer)
+    encode_seconds = time.perf_counter() - start
+    rss_after_prepare = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    start = time.perf_counter()
+    encode_training_split(config, tokenizer)
+    cache_seconds = time.perf_counter() - start
+    start = time.perf_counter()
+    batches = epoch_batches(corpus, max_tokens=config.train.max_tokens, seed=1, epoch=1)
+    plan_seconds = time.perf_counter() - start
+    start = time.perf_counter()
+    count = min(2000, len(batches))
+    for indices in batches[:count]:
+        make_batch(corpus, indices)
+    loader_seconds = time.perf_counter() - start
+    queue.put(
+        {
+            "pairs": len(corpus),
+            "tokenizer_s": tokenizer_seconds,
+            "encode_s": encode_seconds,
+            "cache_hit_s": cache_seconds,
+            "peak_rss_mb": rss_after_prepare,
+            "batches": len(batches),
+            "plan_s": plan_seconds,
+            "batches_per_s": count / loader_seconds,
+        }
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pairs", type=int, default=1_000_000)
+    parser.add_argument("--sample-sentences", type=int, default=200_000, help="tokenizer training sample")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        start = time.perf_counter()
+        write_corpus(work, args.pairs)
+        size_mb = sum(f.stat().st_size for f in work.glob("train.*")) / 2**20
+        print(
+            f"synthetic corpus: {args.pairs:,} pairs, {size_mb:,.0f} MiB of text ({time.perf_counter() - start:.0f}s)"
+        )
+        config = yaml.safe_load(Path("configs/demo.yaml").read_text())
+        for split in ("train", "valid"):
+            config["data"][split] = {
+                "format": "text",
+                "src": str(work / f"{split}.en"),
+                "tgt": str(work / f"{split}.xx"),
+            }
+        config["data"].pop("test")
+        config["data"]["cache_dir"] = str(work / "cache")
+        config["tokenizer"]["sample_sentences"] = args.sample_sentences
+        (work / "config.yaml").write_text(yaml.safe_dump(config))
+        queue = multiprocessing.get_context("spawn").Queue()
+        process = multiprocessing.get_context("spawn").Process(
+            target=prepare_and_measure, args=(str(work / "config.yaml"), queue)
+        )
+        process.start()
+        result = queue.get()
+        process.join()
+    rows = [
+        (f"tokenizer training ({args.sample_sentences:,}-pair sample)", f"{result['tokenizer_s']:.1f} s"),
+        ("read + encode + filter + cache write", f"{result['encode_s']:.1f} s"),
+        ("encoding throughput", f"{result['pairs'] / result['encode_s']:,.0f} pairs/s"),
+        ("second run (cache hit, memory-mapped)", f"{result['cache_hit_s']:.2f} s"),
+        ("peak RSS of the preparing process", f"{result['peak_rss_mb']:,.0f} MiB"),
+        (f"batch plan for one epoch ({result['batches']:,} batches)", f"{result['plan_s']:.1f} s"),
+        ("loader (make_batch)", f"{result['batches_per_s']:,.0f} batches/s"),
+    ]
+    print("\n| step | figure |\n|---|---|")
+    for step, figure in rows:
+        print(f"| {step} | {figure} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

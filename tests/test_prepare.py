@@ -1,0 +1,66 @@
+"""Preparing training data: streamed encoding, the on-disk cache and its keys, per-filter counts."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+import seq2seq.data.prepare as prepare
+from seq2seq.config import config_from_dict
+from seq2seq.data.encoded import RaggedIds
+
+from .conftest import tiny_config_dict
+
+
+def make(tiny_data, **data_overrides):
+    raw = tiny_config_dict(tiny_data)
+    raw["data"].update(data_overrides)
+    config = config_from_dict(raw, origin="test")
+    tokenizer = prepare.load_or_train_tokenizer(config, tiny_data.parent / "tok")
+    return config, tokenizer
+
+
+def test_second_preparation_comes_memory_mapped_from_the_cache(tiny_data, monkeypatch, caplog):
+    config, tokenizer = make(tiny_data)
+    first = prepare.encode_training_split(config, tokenizer)
+    monkeypatch.setattr(prepare, "encode_pairs", lambda *a: pytest.fail("encoded again despite the cache"))
+    with caplog.at_level(logging.INFO, logger="seq2seq"):
+        second = prepare.encode_training_split(config, tokenizer)
+    assert isinstance(second.src.ids, np.memmap)
+    assert np.array_equal(first.src.ids, second.src.ids) and np.array_equal(first.tgt.offsets, second.tgt.offsets)
+    assert "from the cache" in caplog.text and "3000 pairs read" in caplog.text
+
+
+def test_a_changed_file_or_filter_misses_the_cache(tiny_data):
+    config, tokenizer = make(tiny_data)
+    prepare.encode_training_split(config, tokenizer)
+    entries = lambda: {p.name for p in (tiny_data.parent / "cache").iterdir()}  # noqa: E731
+    before = entries()
+    shorter, _ = make(tiny_data, max_length=12)
+    assert len(prepare.encode_training_split(shorter, tokenizer)) < 3000
+    with open(tiny_data / "train.en", "a") as handle, open(tiny_data / "train.xx", "a") as other:
+        handle.write("the cat sleeps\n")
+        other.write("il gat dormar\n")
+    assert len(prepare.encode_training_split(config, tokenizer)) == 3001
+    assert len(entries()) == len(before) + 2
+
+
+def test_cache_can_be_disabled_and_filters_are_counted(tiny_data, caplog):
+    config, tokenizer = make(tiny_data, cache_dir="", max_length=10, max_length_ratio=1.5)
+    with caplog.at_level(logging.INFO, logger="seq2seq"):
+        corpus = prepare.encode_training_split(config, tokenizer)
+    assert not isinstance(corpus.src.ids, np.memmap)
+    assert not (tiny_data.parent / "cache").exists()
+    line = next(r.message for r in caplog.records if "pairs read" in r.message)
+    too_long, bad_ratio = (int(line.split(", ")[i].split()[0]) for i in (1, 2))
+    assert too_long > 0 and bad_ratio > 0 and f"kept {len(corpus)}" in line
+
+
+def test_vectorised_subset_equals_a_python_loop():
+    rng = np.random.default_rng(0)
+    ragged = RaggedIds.from_lists([list(rng.integers(0, 99, size=rng.integers(0, 9))) for _ in range(200)])
+    keep = rng.random(200) < 0.5
+    subset = ragged.subset(keep)
+    assert [subset[i].tolist() for i in range(len(subset))] == [ragged[i].tolist() for i in np.flatnonzero(keep)]
