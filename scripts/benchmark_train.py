@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
 """Training throughput of our trainer against a hand-written torch.nn.Transformer loop, side by side.
 
-Both sides train the same model size (default: d 256, 4 heads, FFN 1024, 3+3 layers, tied
-embeddings) on the same encoded data with the same tokens per batch. The reference is what a user
-writes by hand: nn.Transformer, sentences in random order cut into batches of a fixed sentence
-count, padding and causal masks, label-smoothed cross entropy, Adam, clipping. Each side runs in
-its own process (so peak RSS is its own); target tokens/s count real (non-pad) target tokens.
+All sides train the same model (default: d 256, 4 heads, FFN 1024, 3+3 layers, tied embeddings) on
+the same encoded data and the very same token-bucketed batches, each in its own process (so peak
+RSS is its own). The reference is what a careful user writes by hand: nn.Transformer with
+embeddings, sinusoidal positions, padding and causal masks, label-smoothed nn.CrossEntropyLoss,
+Adam and clipping, in fp32. Tokens/s count real (non-pad) target tokens; MFU divides the model's
+matmul FLOPs per second by this CPU's matmul rate, measured here for each precision.
 
-    python scripts/benchmark_train.py [--config configs/demo.yaml] [--steps 30] [--precision fp32]
+    python scripts/benchmark_train.py [--config configs/bible_en_es.yaml] [--steps 20]
 """
 
 from __future__ import annotations
@@ -21,18 +22,18 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
 
 from seq2seq.config import load_config
-from seq2seq.data.batching import collate, epoch_batches, make_batch, padding_fraction
+from seq2seq.data.batching import epoch_batches, make_batch, padding_fraction
+from seq2seq.errors import UserInputError
 from seq2seq.model import sinusoidal_positions
 from seq2seq.tokenizer import PAD_ID
 from seq2seq.train import Trainer
 
 MODEL = ["model.d_model=256", "model.heads=4", "model.ffn_dim=1024", "model.encoder_layers=3",
-         "model.decoder_layers=3", "model.norm=post", "model.dropout=0.1"]  # fmt: skip
+         "model.decoder_layers=3", "model.norm=post", "model.dropout=0.1", "model.share_embeddings=true"]  # fmt: skip
 
 
 class ReferenceModel(nn.Module):
@@ -60,96 +61,119 @@ class ReferenceModel(nn.Module):
         return self.out(hidden)
 
 
-def prepare(args) -> Trainer:
-    overrides = [*MODEL, f"train.max_tokens={args.max_tokens}", f"train.precision={args.precision}",
-                 f"train.threads={args.threads}", *args.set]  # fmt: skip
-    config = load_config(args.config, overrides)
-    return Trainer(config, Path(args.work) / "run", show_progress=False)
+def step_flops(batch, d: int, ffn: int, layers: int, vocab: int) -> float:
+    """Matmul FLOPs of one training step (forward + backward = 3x forward) on the batch's real tokens."""
+    src_len = (batch.src != PAD_ID).sum(1).double()
+    tgt_len = (batch.tgt_out != PAD_ID).sum(1).double()
+    linear_enc = src_len * (4 * d * d + 2 * d * ffn)  # q, k, v, o projections and the FFN, per source token
+    linear_dec = tgt_len * (6 * d * d + 2 * d * ffn) + src_len * 2 * d * d  # + cross k, v on the source
+    attention = src_len**2 * 2 * d + tgt_len**2 * 2 * d + tgt_len * src_len * 2 * d  # scores and mixing
+    forward = 2 * (layers * (linear_enc + linear_dec + attention).sum() + tgt_len.sum() * d * vocab)
+    return 3 * float(forward)
 
 
-def run_ours(args, queue) -> None:
-    trainer = prepare(args)
-    batches = epoch_batches(trainer.data.train, max_tokens=args.max_tokens, seed=1, epoch=1)
-    tokens, seconds = 0, 0.0
+def matmul_rate(dtype: torch.dtype, seconds: float = 2.0) -> float:
+    """FLOP/s of a large matmul on this machine, in the given precision."""
+    a, b = torch.randn(2048, 1024, dtype=dtype), torch.randn(1024, 1024, dtype=dtype)
+    a @ b
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        count += 1
+    return count * 2 * 2048 * 1024 * 1024 / (time.perf_counter() - start)
+
+
+def prepare(args, precision: str = "fp32") -> Trainer:
+    overrides = [*MODEL, f"train.max_tokens={args.max_tokens}", f"train.precision={precision}",
+                 f"train.threads={args.threads}", f"data.cache_dir={args.work}/cache", *args.set]  # fmt: skip
+    return Trainer(load_config(args.config, overrides), Path(args.work) / "run", show_progress=False)
+
+
+def timed_steps(args, train_step, batches, flops_of) -> tuple[float, float]:
+    """(target tokens/s, model FLOP/s) over args.steps steps after args.warmup untimed ones."""
+    tokens, flops, seconds = 0, 0.0, 0.0
     for step in range(args.warmup + args.steps):
-        batch = make_batch(trainer.data.train, batches[step % len(batches)])
+        batch = batches[step % len(batches)]
         start = time.perf_counter()
-        trainer._update([batch], batch.num_tokens)
+        train_step(batch)
         if step >= args.warmup:
             seconds += time.perf_counter() - start
             tokens += batch.num_tokens
-    used = [batches[i % len(batches)] for i in range(args.warmup + args.steps)]
-    queue.put(("ours", tokens / seconds, padding_fraction(trainer.data.train, used), _peak_rss_mb()))
+            flops += flops_of(batch)
+    return tokens / seconds, flops / seconds
 
 
-def run_reference(args, queue) -> None:
-    trainer = prepare(args)  # reuses the tokenizer and encoded data of the run directory
+def run_side(args, side: str, queue) -> None:
+    trainer = prepare(args, "bf16" if side == "ours bf16" else "fp32")
     corpus, cfg = trainer.data.train, trainer.config.model
-    torch.manual_seed(1)
-    model = ReferenceModel(trainer.tokenizer.tgt_vocab_size, cfg.d_model, cfg.heads, cfg.encoder_layers,
-                           cfg.ffn_dim, cfg.dropout)  # fmt: skip
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
-    loss_fn = nn.CrossEntropyLoss(ignore_index=PAD_ID, label_smoothing=0.1)
-    lengths = np.maximum(corpus.src.lengths(), corpus.tgt.lengths() + 1)
-    per_batch = max(1, int(args.max_tokens / lengths.mean() / 1.6))  # fixed count; padding eats the rest
-    order = np.random.default_rng(1).permutation(len(corpus))
-    batches = [order[i : i + per_batch] for i in range(0, len(order), per_batch)]
-    tokens, seconds = 0, 0.0
-    model.train()
-    for step in range(args.warmup + args.steps):
-        indices = batches[step % len(batches)]
-        batch = collate([corpus.src[i] for i in indices], [corpus.tgt[i] for i in indices])
-        start = time.perf_counter()
-        logits = model(batch.src, batch.tgt_in)
-        loss = loss_fn(logits.reshape(-1, logits.size(-1)), batch.tgt_out.reshape(-1))
-        optimizer.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        if step >= args.warmup:
-            seconds += time.perf_counter() - start
-            tokens += batch.num_tokens
-    used = [batches[i % len(batches)] for i in range(args.warmup + args.steps)]
-    queue.put(("reference", tokens / seconds, padding_fraction(corpus, used), _peak_rss_mb()))
+    vocab = trainer.tokenizer.tgt_vocab_size
+    order = epoch_batches(corpus, max_tokens=args.max_tokens, seed=1, epoch=1)[: args.warmup + args.steps]
+    batches = [make_batch(corpus, indices) for indices in order]
 
+    def flops_of(batch):
+        return step_flops(batch, cfg.d_model, cfg.ffn_dim, cfg.encoder_layers, vocab)
 
-def _peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if side.startswith("ours"):
+        rate, flops = timed_steps(args, lambda b: trainer._update([b], b.num_tokens), batches, flops_of)
+    else:
+        torch.manual_seed(1)
+        model = ReferenceModel(vocab, cfg.d_model, cfg.heads, cfg.encoder_layers, cfg.ffn_dim, cfg.dropout)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
+        loss_fn = nn.CrossEntropyLoss(ignore_index=PAD_ID, label_smoothing=0.1)
+        model.train()
+
+        def reference_step(batch):
+            logits = model(batch.src, batch.tgt_in)
+            loss = loss_fn(logits.reshape(-1, logits.size(-1)), batch.tgt_out.reshape(-1))
+            optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+
+        rate, flops = timed_steps(args, reference_step, batches, flops_of)
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    queue.put((side, rate, flops, padding_fraction(corpus, order), peak_rss))
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", type=Path, default=Path("configs/demo.yaml"))
+    parser.add_argument("--config", type=Path, default=Path("configs/bible_en_es.yaml"))
     parser.add_argument("--set", action="append", default=[], help="extra config override (repeatable)")
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=4000)
-    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    if args.config == Path("configs/demo.yaml") and not Path("data/demo/train.en").exists():
-        from seq2seq.demo_data import write_demo_corpus
-
-        write_demo_corpus("data/demo")
+    try:
+        load_config(args.config)
+    except UserInputError as error:
+        print(f"error: {error}\n(configs/bible_en_es.yaml needs scripts/prepare_bible.py first; "
+              "configs/demo.yaml needs `make demo`)", file=sys.stderr)  # fmt: skip
+        return 2
+    torch.set_num_threads(args.threads)
+    rates = {"fp32": matmul_rate(torch.float32), "bf16": matmul_rate(torch.bfloat16)}
     context = multiprocessing.get_context("spawn")
     results = {}
     with tempfile.TemporaryDirectory() as work:
         args.work = work
-        prepare(args)  # train the tokenizer once, before timing anything
-        for target in (run_ours, run_reference):
+        prepare(args)  # tokenizer and encoding cache, once, before anything is timed
+        for side in ("reference fp32", "ours fp32", "ours bf16"):
             queue = context.Queue()
-            process = context.Process(target=target, args=(args, queue))
+            process = context.Process(target=run_side, args=(args, side, queue))
             process.start()
-            name, rate, padding, rss = queue.get()
+            results[side] = queue.get()[1:]
             process.join()
-            results[name] = (rate, padding, rss)
-    print(f"config {args.config} + {' '.join(MODEL)} | {args.max_tokens} tokens/batch | {args.precision} | "
-          f"{args.threads} threads | {args.steps} timed steps")  # fmt: skip
-    print("\n| trainer | target tokens/s | padding | peak RSS |\n|---|---|---|---|")
-    for name, (rate, padding, rss) in results.items():
-        print(f"| {name} | {rate:,.0f} | {padding:.1%} | {rss:,.0f} MiB |")
-    ratio = results["ours"][0] / results["reference"][0]
-    print(f"\nours / reference: {ratio:.2f}x (target >= 1.2x at fp32 on CPU)")
+    print(f"config {args.config} + {' '.join(MODEL)}")
+    print(f"{args.max_tokens} tokens/batch (the same batches for every side), {args.threads} threads, "
+          f"{args.steps} timed steps; matmul rate here: fp32 {rates['fp32'] / 1e9:,.0f} GFLOP/s, "
+          f"bf16 {rates['bf16'] / 1e9:,.0f} GFLOP/s")  # fmt: skip
+    print("\n| trainer | target tokens/s | MFU | padding | peak RSS |\n|---|---|---|---|---|")
+    for side, (rate, flops, padding, rss) in results.items():
+        mfu = flops / rates["bf16" if "bf16" in side else "fp32"]
+        print(f"| {side} | {rate:,.0f} | {mfu:.0%} | {padding:.1%} | {rss:,.0f} MiB |")
+    reference = results["reference fp32"][0]
+    print(f"\nours fp32 / reference: {results['ours fp32'][0] / reference:.2f}x (target >= 1.2x)")
+    print(f"ours bf16 / reference: {results['ours bf16'][0] / reference:.2f}x (target >= 1.5x)")
     return 0
 
 

@@ -97,10 +97,14 @@ class Seq2SeqTransformer(nn.Module):
         """tgt (B, T) ids -> logits (B, T, V)."""
         return self.output_proj(self.decode_hidden(tgt, memory, src_mask, cache))
 
-    def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
-        """Teacher forcing: logits (B, T, V) for every target position at once."""
+    def forward(self, src: Tensor, tgt_in: Tensor, positions: Tensor | None = None) -> Tensor:
+        """Teacher forcing: logits (B, T, V) for every target position at once, or, given `positions`
+        (N,) flat indices into B*T, logits (N, V) for those alone (training skips padded positions)."""
         src_mask = padding_mask(src)
-        return self.decode(tgt_in, self.encode(src, src_mask), src_mask)
+        hidden = self.decode_hidden(tgt_in, self.encode(src, src_mask), src_mask)
+        if positions is not None:
+            hidden = hidden.flatten(0, 1).index_select(0, positions)
+        return self.output_proj(hidden)
 
     def new_cache(self) -> DecoderCache:
         return DecoderCache(len(self.decoder_layers))

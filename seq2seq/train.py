@@ -22,10 +22,11 @@ from seq2seq.data.batching import Batch, epoch_batches, make_batch
 from seq2seq.data.prepare import TrainingData, load_or_train_tokenizer, prepare_training_data
 from seq2seq.distributed import setup_distributed
 from seq2seq.errors import UserInputError
+from seq2seq.loss import label_smoothed_cross_entropy
 from seq2seq.run_log import MetricsLog, peak_memory_mb
 from seq2seq.schedule import learning_rate
 from seq2seq.tokenizer import Tokenizer
-from seq2seq.validation import ValidationResult, token_loss, validate
+from seq2seq.validation import ValidationResult, validate
 
 log = logging.getLogger(__name__)
 
@@ -169,8 +170,8 @@ class Trainer:
             sync = contextlib.nullcontext() if self.ddp is None or last else self.ddp.no_sync()
             with sync:
                 with self.autocast():
-                    logits = self.forward(batch.src, batch.tgt_in)
-                loss = token_loss(logits, batch.tgt_out, tc.label_smoothing)
+                    logits = self.forward(batch.src, batch.tgt_in, batch.target_positions)
+                loss = label_smoothed_cross_entropy(logits, batch.targets, tc.label_smoothing)
                 self.scaler.scale(loss * (self.dist.world_size / update_tokens)).backward()  # DDP averages ranks
             loss_sum += loss.detach()
         progress.step += 1

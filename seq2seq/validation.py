@@ -8,21 +8,14 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from seq2seq.config import Config
 from seq2seq.data.batching import epoch_batches, make_batch
 from seq2seq.data.prepare import TrainingData
 from seq2seq.evaluate import Scores, score
-from seq2seq.tokenizer import PAD_ID, Tokenizer
+from seq2seq.loss import label_smoothed_cross_entropy
+from seq2seq.tokenizer import Tokenizer
 from seq2seq.translate import translate_lines
-
-
-def token_loss(logits: torch.Tensor, target: torch.Tensor, smoothing: float) -> torch.Tensor:
-    """Summed label-smoothed cross entropy over non-pad positions; logits (B, T, V), target (B, T)."""
-    return F.cross_entropy(
-        logits.float().flatten(0, 1), target.flatten(), ignore_index=PAD_ID, label_smoothing=smoothing, reduction="sum"
-    )
 
 
 @dataclass(frozen=True)
@@ -52,7 +45,8 @@ def validate(
     with autocast:
         for indices in epoch_batches(data.valid, max_tokens=tc.max_tokens, seed=0, epoch=0):
             batch = make_batch(data.valid, indices).to(device)
-            nll += token_loss(model(batch.src, batch.tgt_in), batch.tgt_out, 0.0).item()
+            logits = model(batch.src, batch.tgt_in, batch.target_positions)
+            nll += label_smoothed_cross_entropy(logits, batch.targets, 0.0).item()
             tokens += batch.num_tokens
         count = min(tc.valid_max_sentences, len(data.valid_text))
         decode = dataclasses.replace(config.decode, beam=tc.valid_beam, nbest=1)

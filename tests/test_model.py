@@ -220,3 +220,17 @@ def test_beams_sharing_one_memory_row_equal_a_repeated_memory():
         shared = model.decode(tgt, memory, src_mask)  # (B*K rows against B memory rows)
         repeated = model.decode(tgt, memory.repeat_interleave(beams, 0), src_mask.repeat_interleave(beams, 0))
     torch.testing.assert_close(shared, repeated, atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_cpu_attention_path_matches_the_fused_kernel():
+    model = make_model("pre")
+    src = torch.randint(4, VOCAB, (2, 6))
+    src[1, 4:] = PAD_ID
+    tgt = torch.randint(4, VOCAB, (2, 5))
+    with torch.no_grad():
+        fp32 = model(src, tgt)  # fused scaled_dot_product_attention
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            bf16 = model(src, tgt)  # the explicit matmul path
+    assert bf16.dtype == torch.bfloat16
+    torch.testing.assert_close(bf16.float(), fp32, atol=0.15, rtol=0.05)
+    assert (bf16.float().argmax(-1) == fp32.argmax(-1)).float().mean() > 0.9

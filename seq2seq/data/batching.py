@@ -19,20 +19,22 @@ from seq2seq.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 @dataclass(frozen=True)
 class Batch:
-    """Padded source ids and the teacher-forcing pair: tgt_in = BOS + y, tgt_out = y + EOS."""
+    """Padded source ids and the teacher-forcing pair: tgt_in = BOS + y, tgt_out = y + EOS.
+
+    `target_positions` indexes the real (non-pad) positions of the flattened (B*T) target, and
+    `targets` holds their ids, so the output layer and the loss skip padding without a host sync.
+    """
 
     src: Tensor  # (B, S)
     tgt_in: Tensor  # (B, T)
     tgt_out: Tensor  # (B, T)
-    num_tokens: int  # real target tokens (EOS included): the loss is normalised by this
+    target_positions: Tensor  # (N,) flat indices of real target positions
+    targets: Tensor  # (N,) their ids
+    num_tokens: int  # N: real target tokens (EOS included); the loss is normalised by this
 
     def to(self, device: torch.device) -> Batch:
-        return Batch(
-            self.src.to(device, non_blocking=True),
-            self.tgt_in.to(device, non_blocking=True),
-            self.tgt_out.to(device, non_blocking=True),
-            self.num_tokens,
-        )
+        tensors = (self.src, self.tgt_in, self.tgt_out, self.target_positions, self.targets)
+        return Batch(*(t.to(device, non_blocking=True) for t in tensors), self.num_tokens)
 
 
 def pad(sequences: Sequence[np.ndarray | list[int]]) -> Tensor:
@@ -46,7 +48,8 @@ def pad(sequences: Sequence[np.ndarray | list[int]]) -> Tensor:
 def collate(src: Sequence[np.ndarray], tgt: Sequence[np.ndarray]) -> Batch:
     tgt_in = pad([np.concatenate([[BOS_ID], t]) for t in tgt])
     tgt_out = pad([np.concatenate([t, [EOS_ID]]) for t in tgt])
-    return Batch(pad(src), tgt_in, tgt_out, int(sum(len(t) + 1 for t in tgt)))
+    positions = (tgt_out.flatten() != PAD_ID).nonzero().squeeze(1)
+    return Batch(pad(src), tgt_in, tgt_out, positions, tgt_out.flatten()[positions], len(positions))
 
 
 def token_batches(lengths: np.ndarray, *, max_tokens: int, order_noise: np.ndarray | None = None) -> list[np.ndarray]:
