@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from seq2seq.config import ModelConfig
+
 
 @dataclass
 class LayerCache:
@@ -128,24 +130,25 @@ class _Residual(nn.Module):
         return self.norm(x + self.dropout(sublayer(x)))
 
 
+def _attention(config: ModelConfig) -> MultiHeadAttention:
+    return MultiHeadAttention(config.d_model, config.heads, config.attention_dropout)
+
+
+def _feed_forward(config: ModelConfig) -> FeedForward:
+    return FeedForward(config.d_model, config.ffn_dim, config.activation_dropout, config.activation)
+
+
+def _residual(config: ModelConfig) -> _Residual:
+    return _Residual(config.d_model, config.dropout, pre_norm=config.norm == "pre")
+
+
 class EncoderLayer(nn.Module):
-    def __init__(
-        self,
-        d_model: int,
-        heads: int,
-        ffn_dim: int,
-        *,
-        dropout: float,
-        attention_dropout: float,
-        activation_dropout: float,
-        activation: str,
-        pre_norm: bool,
-    ) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.self_attn = MultiHeadAttention(d_model, heads, attention_dropout)
-        self.ffn = FeedForward(d_model, ffn_dim, activation_dropout, activation)
-        self.self_attn_block = _Residual(d_model, dropout, pre_norm)
-        self.ffn_block = _Residual(d_model, dropout, pre_norm)
+        self.self_attn = _attention(config)
+        self.ffn = _feed_forward(config)
+        self.self_attn_block = _residual(config)
+        self.ffn_block = _residual(config)
 
     def forward(self, x: Tensor, src_mask: Tensor) -> Tensor:
         """x (B, S, d); src_mask (B, 1, 1, S), True on real tokens."""
@@ -158,25 +161,14 @@ class EncoderLayer(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(
-        self,
-        d_model: int,
-        heads: int,
-        ffn_dim: int,
-        *,
-        dropout: float,
-        attention_dropout: float,
-        activation_dropout: float,
-        activation: str,
-        pre_norm: bool,
-    ) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.self_attn = MultiHeadAttention(d_model, heads, attention_dropout)
-        self.cross_attn = MultiHeadAttention(d_model, heads, attention_dropout)
-        self.ffn = FeedForward(d_model, ffn_dim, activation_dropout, activation)
-        self.self_attn_block = _Residual(d_model, dropout, pre_norm)
-        self.cross_attn_block = _Residual(d_model, dropout, pre_norm)
-        self.ffn_block = _Residual(d_model, dropout, pre_norm)
+        self.self_attn = _attention(config)
+        self.cross_attn = _attention(config)
+        self.ffn = _feed_forward(config)
+        self.self_attn_block = _residual(config)
+        self.cross_attn_block = _residual(config)
+        self.ffn_block = _residual(config)
 
     def forward(self, x: Tensor, memory: Tensor, src_mask: Tensor, cache: LayerCache | None) -> Tensor:
         """x (N, T, d) new target positions; memory (B, S, d) with N = B * beams rows grouped by sentence.

@@ -40,20 +40,8 @@ class Seq2SeqTransformer(nn.Module):
         self.tgt_embed = (
             self.src_embed if config.share_embeddings else nn.Embedding(tgt_vocab_size, d_model, padding_idx=PAD_ID)
         )
-        layer_args = dict(
-            dropout=config.dropout,
-            attention_dropout=config.attention_dropout,
-            activation_dropout=config.activation_dropout,
-            activation=config.activation,
-            pre_norm=config.norm == "pre",
-        )
-        heads, ffn = config.heads, config.ffn_dim
-        self.encoder_layers = nn.ModuleList(
-            EncoderLayer(d_model, heads, ffn, **layer_args) for _ in range(config.encoder_layers)
-        )
-        self.decoder_layers = nn.ModuleList(
-            DecoderLayer(d_model, heads, ffn, **layer_args) for _ in range(config.decoder_layers)
-        )
+        self.encoder_layers = nn.ModuleList(EncoderLayer(config) for _ in range(config.encoder_layers))
+        self.decoder_layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.decoder_layers))
         # Pre-norm leaves the residual stream unnormalised, so each stack ends with a LayerNorm.
         self.encoder_norm = nn.LayerNorm(d_model) if config.norm == "pre" else nn.Identity()
         self.decoder_norm = nn.LayerNorm(d_model) if config.norm == "pre" else nn.Identity()
@@ -74,21 +62,22 @@ class Seq2SeqTransformer(nn.Module):
         for embedding in (self.src_embed, self.tgt_embed):
             nn.init.zeros_(embedding.weight[PAD_ID])
 
-    def _embed(self, embedding: nn.Embedding, tokens: Tensor, start: int) -> Tensor:
+    def embed(self, embedding: nn.Embedding, tokens: Tensor, start: int) -> Tensor:
+        """Scaled token embeddings plus sinusoidal positions start, start+1, ...: (B, T) -> (B, T, d)."""
         positions = torch.arange(start, start + tokens.size(1), device=tokens.device)
         x = embedding(tokens) * math.sqrt(self.config.d_model)
         return self.dropout(x + sinusoidal_positions(positions, self.config.d_model).to(x.dtype))
 
     def encode(self, src: Tensor, src_mask: Tensor) -> Tensor:
         """src (B, S) ids, src_mask (B, 1, 1, S) -> memory (B, S, d)."""
-        x = self._embed(self.src_embed, src, 0)
+        x = self.embed(self.src_embed, src, 0)
         for layer in self.encoder_layers:
             x = layer(x, src_mask)
         return self.encoder_norm(x)
 
     def decode_hidden(self, tgt: Tensor, memory: Tensor, src_mask: Tensor, cache: DecoderCache | None = None) -> Tensor:
         """tgt (B, T) ids -> decoder output (B, T, d); with a cache, tgt holds only the new positions."""
-        x = self._embed(self.tgt_embed, tgt, 0 if cache is None else cache.length)
+        x = self.embed(self.tgt_embed, tgt, 0 if cache is None else cache.length)
         for index, layer in enumerate(self.decoder_layers):
             x = layer(x, memory, src_mask, None if cache is None else cache.layers[index])
         return self.decoder_norm(x)
@@ -114,7 +103,7 @@ class Seq2SeqTransformer(nn.Module):
         """Cross-attention probabilities (layers, B, heads, T, S) for a teacher-forced target, for plots."""
         src_mask = padding_mask(src)
         memory = self.encode(src, src_mask)
-        x = self._embed(self.tgt_embed, tgt_in, 0)
+        x = self.embed(self.tgt_embed, tgt_in, 0)
         maps = []
         for layer in self.decoder_layers:
             maps.append(layer.cross_attention_weights(x, memory, src_mask))

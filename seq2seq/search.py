@@ -24,6 +24,29 @@ class Hypothesis:
     log_prob: float  # plain sum of token log-probabilities (EOS included when emitted)
 
 
+class PrefixCache:
+    """A cache for decoders without keys/values to keep (scripted test models, recomputing reference
+    decoders): it holds each row's prefix and is reordered like the real DecoderCache."""
+
+    def __init__(self) -> None:
+        self.prefixes: Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.prefixes is None else self.prefixes.size(1)
+
+    def append(self, tokens: Tensor) -> Tensor:
+        """Add the new positions (N, T) and return the whole prefix."""
+        self.prefixes = tokens if self.prefixes is None else torch.cat([self.prefixes, tokens], dim=1)
+        return self.prefixes
+
+    def reorder(self, rows: Tensor) -> None:
+        self.prefixes = self.prefixes.index_select(0, rows)
+
+    def select(self, rows: Tensor, sentences: Tensor) -> None:
+        self.reorder(rows)
+
+
 def max_output_lengths(src: Tensor, config: DecodeConfig) -> Tensor:
     """(B,) the most tokens each sentence may produce: a * source_length + b."""
     src_lengths = (src != PAD_ID).sum(1)

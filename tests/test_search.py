@@ -10,28 +10,11 @@ import torch
 
 from seq2seq.config import DecodeConfig, ModelConfig
 from seq2seq.model import Seq2SeqTransformer
-from seq2seq.search import beam_search, beam_step, greedy_search, length_normalized
+from seq2seq.search import PrefixCache, beam_search, beam_step, greedy_search, length_normalized
 from seq2seq.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 VOCAB = 7  # ids 0-3 are pad/unk/bos/eos; the search may emit unk (1), eos (3) and 4, 5, 6
 EMITTABLE = [1, 4, 5, 6]
-
-
-class PrefixCache:
-    """The fake model's cache: just the prefix of every row, reordered like a real cache."""
-
-    def __init__(self) -> None:
-        self.prefixes: torch.Tensor | None = None
-
-    @property
-    def length(self) -> int:
-        return 0 if self.prefixes is None else self.prefixes.size(1)
-
-    def reorder(self, rows: torch.Tensor) -> None:
-        self.prefixes = self.prefixes.index_select(0, rows)
-
-    def select(self, rows: torch.Tensor, sentences: torch.Tensor) -> None:
-        self.reorder(rows)
 
 
 class ScriptedModel:
@@ -55,10 +38,10 @@ class ScriptedModel:
         return (torch.randn(VOCAB, generator=generator) * 2).log_softmax(-1)
 
     def decode(self, tgt, memory, src_mask, cache: PrefixCache) -> torch.Tensor:
-        cache.prefixes = tgt if cache.prefixes is None else torch.cat([cache.prefixes, tgt], dim=1)
+        prefix = cache.append(tgt)
         beams = tgt.size(0) // memory.size(0)  # the rows of one sentence sit next to each other
         rows = [
-            self.log_probs(int(memory[row // beams, 0, 0]), tuple(cache.prefixes[row, 1:].tolist()))
+            self.log_probs(int(memory[row // beams, 0, 0]), tuple(prefix[row, 1:].tolist()))
             for row in range(tgt.size(0))
         ]
         return torch.stack(rows).unsqueeze(1)  # (N, 1, V): log-probs are valid logits
