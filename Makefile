@@ -11,7 +11,7 @@ TORCH_INDEX ?=
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast lint format bench-decode bench-train clean
+.PHONY: install demo test test-fast lint format bench-decode bench-train bench-data clean
 
 install: $(STAMP)
 
@@ -43,6 +43,9 @@ bench-decode: install
 
 bench-train: install
 	$(BIN)/python scripts/benchmark_train.py
+
+bench-data: install
+	$(BIN)/python scripts/benchmark_data.py
 
 clean:
 	rm -rf $(VENV) runs data/demo .pytest_cache .ruff_cache

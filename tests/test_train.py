@@ -217,3 +217,15 @@ def test_tensorboard_events_when_the_optional_extra_is_installed(tmp_path, tiny_
     pytest.importorskip("tensorboard", reason="optional extra: pip install -e '.[tensorboard]'")
     make_trainer(tmp_path, tiny_data, max_steps=4, log_every=2, valid_every=100).run()
     assert any((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
+
+
+@pytest.mark.slow
+def test_torch_compile_gives_the_eager_losses(tmp_path, tiny_data):
+    losses = {}
+    for compiled in (False, True):
+        raw = tiny_config_dict(tiny_data, max_steps=3, log_every=1, valid_every=100, compile=compiled)
+        raw["model"]["dropout"] = 0.0
+        trainer = Trainer(config_from_dict(raw, origin="test"), tmp_path / f"run{compiled}", show_progress=False)
+        trainer.run()
+        losses[compiled] = [r["loss"] for r in trainer.metrics.read() if r["kind"] == "train"]
+    assert losses[True] == pytest.approx(losses[False], abs=1e-4)
