@@ -186,6 +186,7 @@ class DecodeConfig:
     max_len_b: int = 10
     min_len: int = 1
     nbest: int = 1
+    no_repeat_ngram: int = 0  # forbid repeating any n-gram of this size in an output; 0 disables
     batch_tokens: int = 4096  # source tokens per translation batch
 
     def problems(self) -> list[tuple[str, str]]:
@@ -195,7 +196,7 @@ class DecodeConfig:
                 found.append((key, "expected an integer >= 1"))
         if self.nbest > self.beam:
             found.append(("nbest", f"expected at most beam ({self.beam}), got {self.nbest}"))
-        for key in ("max_len_a", "max_len_b", "min_len", "length_penalty"):
+        for key in ("max_len_a", "max_len_b", "min_len", "length_penalty", "no_repeat_ngram"):
             if getattr(self, key) < 0:
                 found.append((key, "expected a number >= 0"))
         return found

@@ -74,17 +74,31 @@ def beam_step(log_probs: Tensor, scores: Tensor, width: int) -> tuple[Tensor, Te
     return best, flat % vocab, flat // vocab
 
 
-def _next_log_probs(logits: Tensor, step: int, max_lengths: Tensor, min_len: int) -> Tensor:
-    """(N, V) logits -> log-probs with PAD/BOS banned, EOS banned before min_len and forced at max length."""
+def _next_log_probs(logits: Tensor, step: int, max_lengths: Tensor, config: DecodeConfig, prefixes: Tensor) -> Tensor:
+    """(N, V) logits -> log-probs with PAD/BOS banned, EOS banned before min_len and forced at max
+    length, and (with no_repeat_ngram) tokens banned that would repeat an n-gram of the prefix."""
     log_probs = logits.float().log_softmax(-1)
     log_probs[:, [PAD_ID, BOS_ID]] = -math.inf
-    if step < min_len:
+    if step < config.min_len:
         log_probs[:, EOS_ID] = -math.inf
+    if config.no_repeat_ngram:
+        _ban_repeated_ngrams(log_probs, prefixes[:, 1:], config.no_repeat_ngram)
     at_limit = max_lengths <= step
     if at_limit.any():
         log_probs[at_limit] = -math.inf
         log_probs[at_limit, EOS_ID] = 0.0
     return log_probs
+
+
+def _ban_repeated_ngrams(log_probs: Tensor, output: Tensor, n: int) -> None:
+    """Forbid, per row, every token that would complete an n-gram already in that row's output (N, L)."""
+    if output.size(1) < n:
+        return
+    grams = output.unfold(1, n, 1)  # (N, L - n + 1, n): every n-gram so far
+    context = output[:, output.size(1) - (n - 1) :]  # the last n - 1 tokens
+    matches = (grams[:, :, :-1] == context[:, None, :]).all(-1)  # n-grams that the next token would repeat
+    rows, starts = matches.nonzero(as_tuple=True)
+    log_probs[rows, grams[rows, starts, -1]] = -math.inf
 
 
 @torch.no_grad()
@@ -95,30 +109,26 @@ def greedy_search(model, src: Tensor, config: DecodeConfig) -> list[list[Hypothe
     cache = model.new_cache()
     max_lengths = max_output_lengths(src, config)
     active = torch.arange(src.size(0), device=src.device)  # original index of each row still decoding
-    last = torch.full((src.size(0), 1), BOS_ID, dtype=torch.long, device=src.device)
-    tokens: list[list[int]] = [[] for _ in range(src.size(0))]
-    log_probs_sum = [0.0] * src.size(0)
+    prefixes = torch.full((src.size(0), 1), BOS_ID, dtype=torch.long, device=src.device)
+    totals = torch.zeros(src.size(0), device=src.device)
     results: list[list[Hypothesis]] = [[] for _ in range(src.size(0))]
     step = 0
     while active.numel():
-        logits = model.decode(last, memory, src_mask, cache)[:, -1]
-        log_probs = _next_log_probs(logits, step, max_lengths, config.min_len)
+        logits = model.decode(prefixes[:, -1:], memory, src_mask, cache)[:, -1]
+        log_probs = _next_log_probs(logits, step, max_lengths, config, prefixes)
         best_log_prob, best = log_probs.max(-1)
+        totals += best_log_prob
         done = best == EOS_ID
-        for index, token, value in zip(active.tolist(), best.tolist(), best_log_prob.tolist()):
-            log_probs_sum[index] += value
-            if token == EOS_ID:
-                score = length_normalized(log_probs_sum[index], len(tokens[index]) + 1, config)
-                results[index] = [Hypothesis(tokens[index], score, log_probs_sum[index])]
-            else:
-                tokens[index].append(token)
+        for row in done.nonzero().squeeze(1).tolist():
+            tokens, total = prefixes[row, 1:].tolist(), totals[row].item()
+            results[active[row]] = [Hypothesis(tokens, length_normalized(total, len(tokens) + 1, config), total)]
+        prefixes = torch.cat([prefixes, best.unsqueeze(1)], dim=1)
         step += 1
         if done.any():
             keep = (~done).nonzero().squeeze(1)
-            active, best, max_lengths = active[keep], best[keep], max_lengths[keep]
+            active, prefixes, totals, max_lengths = active[keep], prefixes[keep], totals[keep], max_lengths[keep]
             memory, src_mask = memory.index_select(0, keep), src_mask.index_select(0, keep)
             cache.select(keep, keep)
-        last = best.unsqueeze(1)
     return results
 
 
@@ -140,7 +150,7 @@ def beam_search(model, src: Tensor, config: DecodeConfig) -> list[list[Hypothesi
     while active.numel():
         logits = model.decode(prefixes[:, -1:], memory, src_mask, cache)[:, -1]
         row_max = max_lengths.repeat_interleave(beam)
-        log_probs = _next_log_probs(logits, step, row_max, config.min_len).view(active.numel(), beam, -1)
+        log_probs = _next_log_probs(logits, step, row_max, config, prefixes).view(active.numel(), beam, -1)
         cand_scores, cand_tokens, cand_beams = beam_step(log_probs, scores, 2 * beam)
         # An EOS among the top `beam` candidates ends a hypothesis (fairseq's rule; keeps beam 1 == greedy).
         eos_hits = (cand_tokens[:, :beam] == EOS_ID) & (cand_scores[:, :beam] > -math.inf)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -156,3 +157,25 @@ def test_real_model_beam_batched_equals_alone():
     batched = [h[0].tokens for h in beam_search(model, src, config)]
     alone = [beam_search(model, src[i : i + 1, : int((src[i] != PAD_ID).sum())], config)[0][0].tokens for i in range(4)]
     assert batched == alone
+
+
+class RepetitiveModel(ScriptedModel):
+    """Prefers to continue the cycle 4 5 4 5 ... and never ends before the length limit."""
+
+    def log_probs(self, sentence: int, prefix: tuple[int, ...]) -> torch.Tensor:
+        scores = torch.full((VOCAB,), -5.0)
+        scores[4 if not prefix or prefix[-1] == 5 else 5] = 0.0
+        scores[6], scores[1] = -1.0, -2.0
+        scores[EOS_ID] = -20.0
+        return scores.log_softmax(-1)
+
+
+@pytest.mark.parametrize("search", [greedy_search, beam_search])
+def test_no_repeat_ngram_forbids_repeated_ngrams(search):
+    config = DecodeConfig(beam=3, max_len_a=0.0, max_len_b=8, length_norm="none")
+    free = search(RepetitiveModel(), sentences(80), config)[0][0].tokens
+    assert free[:4] == [4, 5, 4, 5]  # without the option the model repeats itself
+    for n in (2, 3):
+        tokens = search(RepetitiveModel(), sentences(80), dataclasses.replace(config, no_repeat_ngram=n))[0][0].tokens
+        grams = [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
+        assert len(grams) == len(set(grams)), tokens
