@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from typer.testing import CliRunner
 
@@ -181,3 +182,21 @@ def test_run_directory_and_checkpoint_errors(trained_run, tmp_path):
 
 def test_missing_config_file_exits_2():
     assert_user_error(invoke("train", Path("no/such/config.yaml")), "config file not found")
+
+
+@pytest.mark.parametrize(
+    ("override", "fragments"),
+    [
+        ("model.d_model=wide", ["--set model.d_model", "expected an integer, got 'wide'"]),
+        ("model.activation=tanh", ["--set model.activation", "expected one of relu, gelu; got 'tanh'"]),
+        ("data.train.src=/no/such/file.en", ["data.train.src: file not found: /no/such/file.en"]),
+        pytest.param(
+            "train.precision=fp16",
+            ["train.precision: fp16 needs a CUDA GPU"],
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="fp16 is valid where CUDA is present"),
+        ),
+    ],
+)
+def test_each_kind_of_config_error_exits_2_with_its_message(trained_run, tmp_path, override, fragments):
+    _, config, _, _ = trained_run
+    assert_user_error(invoke("train", config, "--run-dir", tmp_path / "r", "--set", override), *fragments)

@@ -163,9 +163,8 @@ def test_average_of_checkpoints_is_the_parameter_mean(tmp_path, tiny_data):
     ckpt.load_for_inference(tmp_path / "avg.pt")  # still a complete checkpoint
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA; fp16 is allowed there")
 def test_fp16_without_cuda_is_a_clear_error(tmp_path, tiny_data):
-    if torch.cuda.is_available():
-        pytest.skip("this machine has CUDA; fp16 is allowed there")
     with pytest.raises(UserInputError, match="train.precision: fp16 needs a CUDA GPU"):
         make_trainer(tmp_path, tiny_data, precision="fp16")
 
