@@ -1,0 +1,58 @@
+"""CUDA paths: fp16 with loss scaling, bf16, fused attention. They run wherever a GPU is present
+(`pytest -m gpu`); a machine without one skips them, since these paths cannot run there."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from seq2seq.config import ModelConfig, config_from_dict
+from seq2seq.model import Seq2SeqTransformer, padding_mask
+from seq2seq.train import Trainer
+
+from .conftest import tiny_config_dict
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def cuda_trainer(tmp_path, tiny_data, precision: str, **train) -> Trainer:
+    raw = tiny_config_dict(tiny_data, precision=precision, **train)
+    return Trainer(config_from_dict(raw, origin="test"), tmp_path / precision, show_progress=False)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_mixed_precision_trains_on_cuda(tmp_path, tiny_data, precision):
+    trainer = cuda_trainer(tmp_path, tiny_data, precision, max_steps=30, log_every=10, valid_every=30)
+    trainer.run()
+    losses = [r["loss"] for r in trainer.metrics.read() if r["kind"] == "train"]
+    assert trainer.device.type == "cuda"
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+    assert trainer.model.output_proj.weight.dtype == torch.float32  # fp32 master weights
+
+
+def test_fp16_overflow_is_skipped_not_applied(tmp_path, tiny_data, monkeypatch):
+    import seq2seq.train as train_module
+
+    trainer = cuda_trainer(tmp_path, tiny_data, "fp16", max_steps=1, valid_every=100)
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    real_loss = train_module.label_smoothed_cross_entropy
+    monkeypatch.setattr(train_module, "label_smoothed_cross_entropy", lambda *a: real_loss(*a) * float("inf"))
+    trainer.run()
+    assert trainer.progress.skipped_steps == 1
+    for name, param in trainer.model.named_parameters():
+        assert torch.equal(param, before[name]), name
+
+
+def test_cached_decoding_equals_full_pass_with_fused_attention():
+    config = ModelConfig(d_model=64, heads=4, encoder_layers=2, decoder_layers=2, ffn_dim=128, dropout=0.0)
+    model = Seq2SeqTransformer(config, src_vocab_size=50, tgt_vocab_size=50).cuda().eval()
+    src, tgt = torch.randint(4, 50, (3, 7), device="cuda"), torch.randint(4, 50, (3, 6), device="cuda")
+    with torch.no_grad():
+        full = model(src, tgt)
+        mask = padding_mask(src)
+        memory, cache = model.encode(src, mask), model.new_cache()
+        steps = torch.cat([model.decode(tgt[:, t : t + 1], memory, mask, cache) for t in range(6)], dim=1)
+    torch.testing.assert_close(steps, full, atol=1e-4, rtol=1e-4)
