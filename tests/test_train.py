@@ -87,7 +87,7 @@ def _train_command(config: Path, run_dir: Path, *extra: str) -> list[str]:
 
 @pytest.mark.slow
 def test_resume_after_sigkill_equals_an_uninterrupted_run(tmp_path, tiny_data):
-    raw = tiny_config_dict(tiny_data, max_steps=60, save_every=10, valid_every=1000, log_every=10)
+    raw = tiny_config_dict(tiny_data, max_steps=150, save_every=10, valid_every=1000, log_every=10)
     config = tmp_path / "c.yaml"
     config.write_text(yaml.safe_dump(raw))
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -101,12 +101,12 @@ def test_resume_after_sigkill_equals_an_uninterrupted_run(tmp_path, tiny_data):
         time.sleep(0.05)
     process.send_signal(signal.SIGKILL)
     process.wait()
-    assert not (killed / "checkpoints" / "step_00000060.pt").exists()
+    assert not (killed / "checkpoints" / "step_00000150.pt").exists()
     subprocess.run(_train_command(config, killed, "--resume", str(killed)), check=True, env=env, capture_output=True)
 
     straight = ckpt.read_checkpoint(tmp_path / "straight" / "checkpoints" / "last.pt")
     resumed = ckpt.read_checkpoint(killed / "checkpoints" / "last.pt")
-    assert resumed["progress"]["step"] == straight["progress"]["step"] == 60
+    assert resumed["progress"]["step"] == straight["progress"]["step"] == 150
     for name, tensor in straight["model"].items():
         assert torch.equal(tensor, resumed["model"][name]), name
     steps = [r["step"] for r in map(yaml.safe_load, (killed / "metrics.jsonl").read_text().splitlines())]
