@@ -8,10 +8,6 @@ dotted key, so the user fixes everything in one edit.
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import re
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -19,6 +15,7 @@ from typing import Any, Literal
 import yaml
 
 from seq2seq.errors import UserInputError
+from seq2seq.schema import build_dataclass, collect_problems
 
 
 @dataclass(frozen=True)
@@ -280,98 +277,10 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> set[str]:
 
 def _build_checked(raw: dict[str, Any], *, origin: str, overridden: set[str]) -> Config:
     errors: list[tuple[str, str]] = []
-    config = _build(Config, raw, "", errors)
+    config = build_dataclass(Config, raw, "", errors)
     if not errors:
-        _collect_problems(config, "", errors)
+        collect_problems(config, "", errors)
     if errors:
         lines = [f"{'--set ' + key if key in overridden else origin}: {key}: {msg}" for key, msg in errors]
         raise UserInputError("\n".join(lines))
     return config
-
-
-def _collect_problems(obj: Any, prefix: str, errors: list[tuple[str, str]]) -> None:
-    for key, message in obj.problems():
-        errors.append((key if "." in key else prefix + key, message))
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        if dataclasses.is_dataclass(value):
-            _collect_problems(value, f"{prefix}{f.name}.", errors)
-
-
-def _build(cls: type, raw: Any, prefix: str, errors: list[tuple[str, str]]) -> Any:
-    """Build dataclass `cls` from `raw`, appending (dotted key, message) for each problem."""
-    section = prefix.rstrip(".") or "config"
-    if not isinstance(raw, dict):
-        errors.append((section, f"expected a mapping, got {_describe(raw)}"))
-        return None
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    for key in raw:
-        if key not in fields:
-            close = difflib.get_close_matches(str(key), fields, n=1)
-            hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys: {', '.join(fields)}"
-            errors.append((f"{prefix}{key}", f"unknown key{hint}"))
-    values = {}
-    for name, f in fields.items():
-        if name in raw:
-            values[name] = _convert(hints[name], raw[name], f"{prefix}{name}", errors)
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            errors.append((f"{prefix}{name}", "required key is missing"))
-    try:
-        return cls(**values)
-    except TypeError:  # a required key was missing; already reported
-        return None
-
-
-_FLOAT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
-
-
-def _convert(hint: Any, value: Any, key: str, errors: list[tuple[str, str]]) -> Any:
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        (inner,) = [arg for arg in args if arg is not type(None)]
-        return _convert(inner, value, key, errors)
-    if dataclasses.is_dataclass(hint):
-        return _build(hint, value, key + ".", errors)
-    if origin is Literal:
-        if value in args:
-            return value
-        errors.append((key, f"expected one of {', '.join(map(str, args))}; got {_describe(value)}"))
-    elif origin is tuple:
-        variadic = len(args) == 2 and args[1] is Ellipsis
-        if isinstance(value, list) and (variadic or len(value) == len(args)):
-            kinds = [args[0]] * len(value) if variadic else list(args)
-            return tuple(_convert(kind, item, key, errors) for kind, item in zip(kinds, value))
-        size = "a list" if variadic else f"a list of {len(args)} items"
-        errors.append((key, f"expected {size}, got {_describe(value)}"))
-    elif hint is bool:
-        if isinstance(value, bool):
-            return value
-        errors.append((key, f"expected true or false, got {_describe(value)}"))
-    elif hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        errors.append((key, f"expected an integer, got {_describe(value)}"))
-    elif hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str) and _FLOAT.match(value):  # PyYAML reads 1e-3 as a string
-            return float(value)
-        errors.append((key, f"expected a number, got {_describe(value)}"))
-    elif hint is str:
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            return str(value)
-        errors.append((key, f"expected a string, got {_describe(value)}"))
-    else:  # pragma: no cover - a programming error in the schema, not user input
-        raise TypeError(f"unsupported config type {hint} for {key}")
-    return None
-
-
-def _describe(value: Any) -> str:
-    if isinstance(value, dict):
-        return "a mapping"
-    if isinstance(value, list):
-        return "a list"
-    return f"{value!r}"
