@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 
 def collect_problems(obj: Any, prefix: str, errors: list[tuple[str, str]]) -> None:
+    """Value checks: every section's problems(), keys relative to the section unless already dotted."""
     for key, message in obj.problems():
         errors.append((key if "." in key else prefix + key, message))
     for f in dataclasses.fields(obj):
