@@ -47,7 +47,7 @@ def tokenizer_to_state(tokenizer: Tokenizer) -> dict[str, torch.Tensor]:
 
 
 def tokenizer_from_state(state: dict[str, torch.Tensor]) -> Tokenizer:
-    return Tokenizer.from_protos({name: bytes(tensor.numpy().tobytes()) for name, tensor in state.items()})
+    return Tokenizer.from_protos({name: tensor.numpy().tobytes() for name, tensor in state.items()})
 
 
 @dataclass

@@ -128,11 +128,12 @@ class Trainer:
                 mine = group[dist.rank * tc.accum_steps : (dist.rank + 1) * tc.accum_steps]
                 update_tokens = int(sum(target_lengths[indices].sum() for indices in group))
                 started = time.perf_counter()
-                loss_sum, applied = self._update([make_batch(self.data.train, i) for i in mine], update_tokens)
+                my_batches = [make_batch(self.data.train, indices) for indices in mine]
+                loss_sum, applied = self._update(my_batches, update_tokens)
                 progress.train_seconds += time.perf_counter() - started
                 if applied:  # a skipped (non-finite) step would poison the logged average
                     window_loss += loss_sum
-                    window_tokens += int(sum(target_lengths[indices].sum() for indices in mine))
+                    window_tokens += sum(batch.num_tokens for batch in my_batches)
                 bar.update(1)
                 if progress.step % tc.log_every == 0:
                     loss, tokens = dist.sum([window_loss.item(), window_tokens], self.device)
