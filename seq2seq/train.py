@@ -37,6 +37,34 @@ class TrainingDiverged(UserInputError):
     """Too many consecutive updates with non-finite gradients: the settings need changing."""
 
 
+class SkippedUpdates:
+    """Counts updates skipped for non-finite gradients, on the device.
+
+    Reading a flag every step would stall a GPU until the step finishes (a host sync); these
+    counters are read only when the trainer logs or saves.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.total = torch.zeros((), dtype=torch.long, device=device)
+        self.in_a_row = torch.zeros_like(self.total)
+        self.longest_run = torch.zeros_like(self.total)
+
+    def record(self, skipped: torch.Tensor) -> None:
+        self.total += skipped
+        self.in_a_row = (self.in_a_row + 1) * skipped
+        torch.maximum(self.longest_run, self.in_a_row, out=self.longest_run)
+
+    def collect(self) -> tuple[int, int]:
+        """Skipped updates since the last call and the longest run in a row that reached into them.
+
+        A run that straddles two calls is counted whole once it goes on.
+        """
+        total, longest_run = (int(value) for value in torch.stack([self.total, self.longest_run]).tolist())
+        self.total.zero_()
+        self.longest_run.zero_()
+        return total, longest_run
+
+
 @dataclass
 class Progress:
     """Where training stands; saved in every checkpoint so a resumed run continues exactly."""
@@ -79,13 +107,13 @@ class Trainer:
         wrapped = self.ddp or self.model
         self.forward = torch.compile(wrapped) if tc.compile else wrapped
         optimizer_class = torch.optim.AdamW if tc.optimizer == "adamw" else torch.optim.Adam
+        # fused: one kernel for all parameters, and it can skip an update on a device-side flag (found_inf)
         self.optimizer = optimizer_class(
-            self.model.parameters(), lr=0.0, betas=tc.betas, eps=tc.eps, weight_decay=tc.weight_decay,
-            fused=self.device.type in ("cpu", "cuda"),  # one kernel for all parameters instead of a loop
-        )  # fmt: skip
+            self.model.parameters(), lr=0.0, betas=tc.betas, eps=tc.eps, weight_decay=tc.weight_decay, fused=True
+        )
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=tc.precision == "fp16")
         self.progress = Progress()
-        self.skipped_in_a_row = 0
+        self.skipped = SkippedUpdates(self.device)
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", tensorboard=self.dist.is_main)
         if resume:
             self._restore(_latest_checkpoint(self.checkpoints))
@@ -116,7 +144,10 @@ class Trainer:
                  tc.max_tokens, dist.world_size, tc.accum_steps, tc.max_tokens * per_update)  # fmt: skip
         bar = tqdm(total=tc.max_steps, initial=progress.step, desc="train", unit="step", disable=not self.show_progress)
         target_lengths = self.data.train.tgt.lengths() + 1
-        window_loss, window_tokens, window_start = torch.zeros((), device=self.device), 0, time.perf_counter()
+        # loss and tokens of the applied updates stay on the device until logged; window_tokens counts all
+        window_loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        window_loss_tokens = torch.zeros_like(window_loss)
+        window_tokens, window_start = 0, time.perf_counter()
         stop_reason = ""
         while not stop_reason:
             batches = epoch_batches(self.data.train, max_tokens=tc.max_tokens, seed=tc.seed, epoch=progress.epoch)
@@ -129,20 +160,26 @@ class Trainer:
                 update_tokens = int(sum(target_lengths[indices].sum() for indices in group))
                 started = time.perf_counter()
                 my_batches = [make_batch(self.data.train, indices) for indices in mine]
-                loss_sum, applied = self._update(my_batches, update_tokens)
+                my_tokens = sum(batch.num_tokens for batch in my_batches)
+                loss_sum, skipped = self._update(my_batches, update_tokens)
                 progress.train_seconds += time.perf_counter() - started
-                if applied:  # a skipped (non-finite) step would poison the logged average
-                    window_loss += loss_sum
-                    window_tokens += sum(batch.num_tokens for batch in my_batches)
+                window_loss += torch.where(skipped, 0.0, loss_sum)  # a skipped update's NaN must not poison the mean
+                window_loss_tokens += (~skipped) * my_tokens
+                window_tokens += my_tokens
                 bar.update(1)
-                if progress.step % tc.log_every == 0:
-                    loss, tokens = dist.sum([window_loss.item(), window_tokens], self.device)
-                    self._log_train(bar, loss / max(tokens, 1), tokens / (time.perf_counter() - window_start))
+                log_step = progress.step % tc.log_every == 0
+                if log_step:
+                    window = [*torch.stack([window_loss, window_loss_tokens]).tolist(), window_tokens]
+                    loss, loss_tokens, tokens = dist.sum(window, self.device)
+                    self._log_train(bar, loss / max(loss_tokens, 1), tokens / (time.perf_counter() - window_start))
                     window_loss.zero_()
+                    window_loss_tokens.zero_()
                     window_tokens, window_start = 0, time.perf_counter()
                 if progress.step % tc.valid_every == 0:
                     self._validate(bar)
-                stop_reason = dist.broadcast(self._stop_reason())
+                stop_reason = self._stop_reason(check_clock=log_step)
+                if log_step:  # the clock differs between ranks: rank 0 decides, on log steps only
+                    stop_reason = dist.broadcast(stop_reason)
                 if progress.step % tc.save_every == 0 or stop_reason:
                     self._save()
             if progress.next_batch + per_update > len(batches):
@@ -154,13 +191,13 @@ class Trainer:
         log.info("stopped after %d steps: %s", progress.step, stop_reason)
         return TrainResult(dataclasses.replace(progress), self.checkpoints / "last.pt", stop_reason)
 
-    def _update(self, batches: list[Batch], update_tokens: int) -> tuple[torch.Tensor, bool]:
-        """One optimizer update over this rank's `batches`, in the canonical AMP order.
+    def _update(self, batches: list[Batch], update_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer update over this rank's `batches`, in the canonical AMP order, without a host sync.
 
         The loss is normalised by the target tokens of the whole update on all ranks (`update_tokens`),
         so any split over ranks and accumulation steps gives the same gradient. Returns the summed
-        loss and whether the update was applied: one with non-finite gradients (fp16 overflow, NaN
-        loss) is skipped, never applied.
+        loss and a device flag: True when the update was skipped, never applied, for non-finite
+        gradients (fp16 overflow, NaN loss).
         """
         tc, progress = self.config.train, self.progress
         loss_sum = torch.zeros((), device=self.device)
@@ -183,33 +220,32 @@ class Trainer:
         self.scaler.unscale_(self.optimizer)
         max_norm = tc.clip_norm if tc.clip_norm > 0 else math.inf
         self.grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        skipped = ~torch.isfinite(self.grad_norm)  # any inf/NaN gradient makes the norm non-finite
         if self.scaler.is_enabled():
-            scale = self.scaler.get_scale()
-            self.scaler.step(self.optimizer)  # skips the step itself when gradients overflowed
+            self.scaler.step(self.optimizer)  # hands its own found_inf to the fused optimizer
             self.scaler.update()
-            applied = self.scaler.get_scale() >= scale
         else:
-            applied = bool(torch.isfinite(self.grad_norm))
-            if applied:
-                self.optimizer.step()
+            self.optimizer.found_inf = skipped.float()  # the fused kernel leaves parameters and state alone
+            self.optimizer.step()
+            del self.optimizer.found_inf
         self.optimizer.zero_grad(set_to_none=True)
-        if applied:
-            self.skipped_in_a_row = 0
-        else:
-            self._count_skipped_step()
-        return loss_sum, applied
+        self.skipped.record(skipped)
+        return loss_sum, skipped
 
-    def _count_skipped_step(self) -> None:
-        self.progress.skipped_steps += 1
-        self.skipped_in_a_row += 1
-        log.warning("step %d: non-finite gradients; update skipped", self.progress.step)
-        if self.skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:
+    def _account_skipped_updates(self) -> None:
+        """Bring the device-side skip counters into the progress; stop if training has diverged."""
+        skipped, longest_run = self.skipped.collect()
+        self.progress.skipped_steps += skipped
+        if skipped:
+            log.warning("%d updates skipped for non-finite gradients (up to step %d)", skipped, self.progress.step)
+        if longest_run >= MAX_SKIPPED_IN_A_ROW:
             raise TrainingDiverged(
-                f"training diverged: {self.skipped_in_a_row} updates in a row had non-finite gradients "
-                f"(step {self.progress.step}); lower train.lr, raise train.warmup_steps or use fp32/bf16"
+                f"training diverged: {longest_run} updates in a row had non-finite gradients "
+                f"(up to step {self.progress.step}); lower train.lr, raise train.warmup_steps or use fp32/bf16"
             )
 
     def _log_train(self, bar: tqdm, loss: float, tokens_per_second: float) -> None:
+        self._account_skipped_updates()
         if not self.dist.is_main:
             return
         lr = self.optimizer.param_groups[0]["lr"]
@@ -255,11 +291,11 @@ class Trainer:
             (progress.best_bleu, progress.stale_validations)
         )
 
-    def _stop_reason(self) -> str:
+    def _stop_reason(self, *, check_clock: bool) -> str:
         tc, progress = self.config.train, self.progress
         if progress.step >= tc.max_steps:
             return f"max_steps ({tc.max_steps})"
-        if tc.max_time and progress.train_seconds >= tc.max_time:
+        if check_clock and tc.max_time and progress.train_seconds >= tc.max_time:
             return f"max_time ({tc.max_time:g}s)"
         if tc.patience and progress.stale_validations >= tc.patience:
             return f"no BLEU improvement in {tc.patience} validations (patience)"
@@ -281,6 +317,7 @@ class Trainer:
         }
 
     def _save(self) -> None:
+        self._account_skipped_updates()
         rng_states = self._rng_states()
         if not self.dist.is_main:
             return

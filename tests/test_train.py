@@ -61,7 +61,7 @@ def test_gradient_accumulation_equals_one_full_batch(tmp_path, tiny_data):
     halves.model.load_state_dict(full.model.state_dict())
     # Plain SGD: Adam would blow float noise in zero gradients (e.g. key biases) up to full-size steps.
     for trainer in (full, halves):
-        trainer.optimizer = torch.optim.SGD(trainer.model.parameters(), lr=0.0)
+        trainer.optimizer = torch.optim.SGD(trainer.model.parameters(), lr=0.0, fused=True)
     indices = epoch_batches(full.data.train, max_tokens=2048, seed=1, epoch=1)[0]
     half = len(indices) // 2
     whole = make_batch(full.data.train, indices)
@@ -210,6 +210,51 @@ def test_non_finite_steps_are_skipped_and_too_many_stop_with_a_message(tmp_path,
     assert trainer.progress.skipped_steps == train_module.MAX_SKIPPED_IN_A_ROW
     for name, param in trainer.model.named_parameters():
         assert torch.equal(param, before[name]), name  # nothing was applied
+
+
+def test_skipped_update_counters_track_runs_across_reads():
+    from seq2seq.train import SkippedUpdates
+
+    counters = SkippedUpdates(torch.device("cpu"))
+    for flag in (1, 1, 0, 1, 1):
+        counters.record(torch.tensor(bool(flag)))
+    assert counters.collect() == (4, 2)
+    for flag in (1, 1):
+        counters.record(torch.tensor(bool(flag)))
+    assert counters.collect() == (2, 4)  # the run that straddles the read is counted whole
+    counters.record(torch.tensor(False))
+    assert counters.collect() == (0, 0)
+
+
+HOST_READS = ("item", "tolist", "numpy", "__bool__", "__float__", "__int__")
+
+
+def count_host_reads(monkeypatch) -> list[str]:
+    """Record every read of a tensor's value into Python: on a GPU each one waits for the device (a sync)."""
+    reads: list[str] = []
+    for name in HOST_READS:
+        original = getattr(torch.Tensor, name)
+
+        def recording(self, *args, _name=name, _original=original, **kwargs):
+            reads.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, recording)
+    return reads
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_steps_read_nothing_back_from_the_device_between_log_steps(tmp_path, tiny_data, monkeypatch, precision):
+    """Host reads happen when logging, validating or saving, never per step: their count does not grow with steps."""
+    reads_per_run = {}
+    for steps in (3, 9):
+        trainer = make_trainer(tmp_path, tiny_data, name=f"run{steps}", max_steps=steps, log_every=steps,
+                               valid_every=1000, save_every=1000, precision=precision)  # fmt: skip
+        with monkeypatch.context() as patch:
+            reads = count_host_reads(patch)
+            trainer.run()
+        reads_per_run[steps] = reads
+    assert len(reads_per_run[9]) == len(reads_per_run[3]) > 0  # the final log and save do read
 
 
 def test_tensorboard_events_when_the_optional_extra_is_installed(tmp_path, tiny_data):

@@ -33,7 +33,10 @@ class Batch:
     num_tokens: int  # N: real target tokens (EOS included); the loss is normalised by this
 
     def to(self, device: torch.device) -> Batch:
+        """Copy to `device`; to a GPU from pinned memory, so the copy does not wait for the GPU to catch up."""
         tensors = (self.src, self.tgt_in, self.tgt_out, self.target_positions, self.targets)
+        if device.type == "cuda":
+            tensors = tuple(t.pin_memory() for t in tensors)
         return Batch(*(t.to(device, non_blocking=True) for t in tensors), self.num_tokens)
 
 
