@@ -10,7 +10,7 @@ import pytest
 
 from seq2seq.config import CorpusConfig
 from seq2seq.data.batching import collate, epoch_batches, padding_fraction, token_batches
-from seq2seq.data.encoded import EncodedCorpus, RaggedIds, filter_corpus
+from seq2seq.data.encoded import EncodedCorpus, RaggedIds, length_filter, write_corpus
 from seq2seq.data.sources import PairCounts, iter_pairs, read_corpus
 from seq2seq.errors import UserInputError
 from seq2seq.tokenizer import BOS_ID, EOS_ID, PAD_ID
@@ -102,12 +102,25 @@ def test_ragged_ids_round_trip_and_filter():
     tgt = RaggedIds.from_lists([[8, 9], [10], [11]])
     assert src[1].tolist() == [7, EOS_ID]
     assert src.lengths().tolist() == [3, 2, 17]
-    kept, report = filter_corpus(EncodedCorpus(src, tgt), max_length=10, max_ratio=0, name="data.train")
-    assert len(kept) == 2 and report.too_long == 1
-    kept, report = filter_corpus(EncodedCorpus(src, tgt), max_length=100, max_ratio=2.0, name="data.train")
-    assert report.bad_ratio == 1  # 17 source tokens vs 2 target tokens
-    with pytest.raises(UserInputError, match="data.train: no sentence pairs left"):
-        filter_corpus(EncodedCorpus(src, tgt), max_length=1, max_ratio=0, name="data.train")
+    keep, report = length_filter(EncodedCorpus(src, tgt), max_length=10, max_ratio=0)
+    assert keep.tolist() == [True, True, False] and report.too_long == 1 and report.kept == 2
+    keep, report = length_filter(EncodedCorpus(src, tgt), max_length=100, max_ratio=2.0)
+    assert keep.tolist() == [True, True, False] and report.bad_ratio == 1  # 17 source tokens vs 2 target tokens
+
+
+def test_corpus_written_in_chunks_reads_back_memory_mapped(tmp_path):
+    rng = np.random.default_rng(0)
+
+    def random_ragged(count):
+        return RaggedIds.from_lists([list(rng.integers(4, 99, size=rng.integers(1, 9))) for _ in range(count)])
+
+    chunks = [EncodedCorpus(random_ragged(n), random_ragged(n)) for n in (5, 0, 7)]
+    write_corpus(tmp_path, iter(chunks))
+    loaded, whole = EncodedCorpus.load(tmp_path), EncodedCorpus.concatenate(chunks)
+    assert isinstance(loaded.src.ids, np.memmap) and len(loaded) == 12
+    for side in ("src", "tgt"):
+        assert np.array_equal(getattr(loaded, side).ids, getattr(whole, side).ids)
+        assert np.array_equal(getattr(loaded, side).offsets, getattr(whole, side).offsets)
 
 
 def test_collate_builds_the_teacher_forcing_shift():

@@ -9,7 +9,8 @@ import pytest
 
 import seq2seq.data.prepare as prepare
 from seq2seq.config import config_from_dict
-from seq2seq.data.encoded import RaggedIds
+from seq2seq.data.encoded import EncodedCorpus, RaggedIds
+from seq2seq.errors import UserInputError
 
 from .conftest import tiny_config_dict
 
@@ -25,7 +26,7 @@ def make(tiny_data, **data_overrides):
 def test_second_preparation_comes_memory_mapped_from_the_cache(tiny_data, monkeypatch, caplog):
     config, tokenizer = make(tiny_data)
     first = prepare.encode_training_split(config, tokenizer)
-    monkeypatch.setattr(prepare, "encode_pairs", lambda *a: pytest.fail("encoded again despite the cache"))
+    monkeypatch.setattr(prepare, "encode_chunks", lambda *a: pytest.fail("encoded again despite the cache"))
     with caplog.at_level(logging.INFO, logger="seq2seq"):
         second = prepare.encode_training_split(config, tokenizer)
     assert isinstance(second.src.ids, np.memmap)
@@ -56,6 +57,22 @@ def test_cache_can_be_disabled_and_filters_are_counted(tiny_data, caplog):
     line = next(r.message for r in caplog.records if "pairs read" in r.message)
     too_long, bad_ratio = (int(line.split(", ")[i].split()[0]) for i in (1, 2))
     assert too_long > 0 and bad_ratio > 0 and f"kept {len(corpus)}" in line
+
+
+def test_filters_that_remove_everything_name_the_split_and_leave_no_cache_entry(tiny_data):
+    config, tokenizer = make(tiny_data, max_length=1)
+    with pytest.raises(UserInputError, match=r"data.train: no sentence pairs left after filtering \(kept 0 pairs"):
+        prepare.encode_training_split(config, tokenizer)
+    assert not any((tiny_data.parent / "cache").iterdir())  # the half-written entry was removed
+
+
+def test_ids_are_never_whole_in_memory_while_the_cache_is_written(tiny_data, monkeypatch):
+    """Chunks go to disk as they are encoded: nothing concatenates the split's ids in memory."""
+    monkeypatch.setattr("seq2seq.data.encoded.ENCODE_CHUNK", 500)
+    monkeypatch.setattr(EncodedCorpus, "concatenate", lambda *a: pytest.fail("the whole split was concatenated"))
+    config, tokenizer = make(tiny_data)
+    corpus = prepare.encode_training_split(config, tokenizer)
+    assert len(corpus) == 3000 and isinstance(corpus.tgt.ids, np.memmap)
 
 
 def test_vectorised_subset_equals_a_python_loop():

@@ -12,13 +12,15 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from seq2seq.config import CorpusConfig
 from seq2seq.data.encoded import EncodedCorpus
 from seq2seq.tokenizer import Tokenizer
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: raw .bin id files, appended chunk by chunk
 
 
 def cache_key(corpus: CorpusConfig, *, tokenizer: Tokenizer, settings: dict) -> str:
@@ -39,15 +41,25 @@ def load_cached(entry: Path) -> tuple[EncodedCorpus, dict] | None:
     return EncodedCorpus.load(entry), json.loads(report.read_text())
 
 
-def store(entry: Path, corpus: EncodedCorpus, report: dict) -> None:
+@contextmanager
+def new_entry(entry: Path) -> Iterator[Path]:
+    """A temporary folder to fill with an entry's files and report.json (write_report); it becomes
+    `entry` when the block completes and is removed if the block fails, so a reader never sees half."""
     tmp = entry.with_name(f".{entry.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    corpus.save(tmp)
-    (tmp / "report.json").write_text(json.dumps(report))
+    tmp.mkdir(parents=True)
     try:
+        yield tmp
         os.replace(tmp, entry)
     except OSError:  # another process stored the same entry first; theirs is as good
+        if not entry.exists():
+            raise
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_report(folder: Path, report: dict) -> None:
+    (folder / "report.json").write_text(json.dumps(report))
 
 
 def _file_identity(path: str) -> list:

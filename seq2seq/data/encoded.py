@@ -1,4 +1,9 @@
-"""Token ids of a whole corpus held as flat numpy arrays plus offsets (no per-sentence Python lists)."""
+"""Token ids of a whole corpus held as flat numpy arrays plus offsets (no per-sentence Python lists).
+
+On disk (the encoding cache) each side is `{side}_ids.bin`, the raw little-endian int32 ids one
+sentence after another, and `{side}_offsets.npy`; the raw file can be appended to chunk by chunk,
+so a corpus of any size is written without ever being whole in memory.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +15,11 @@ from typing import TypeVar
 
 import numpy as np
 
-from seq2seq.errors import UserInputError
 from seq2seq.tokenizer import Tokenizer
 
 ENCODE_CHUNK = 50_000  # sentences per tokenizer call: bounds the temporary Python lists
+ID_DTYPE = np.dtype("<i4")
+SIDES = ("src", "tgt")
 T = TypeVar("T")
 
 
@@ -72,21 +78,36 @@ class EncodedCorpus:
     def concatenate(cls, parts: list[EncodedCorpus]) -> EncodedCorpus:
         return cls(RaggedIds.concatenate([p.src for p in parts]), RaggedIds.concatenate([p.tgt for p in parts]))
 
-    def save(self, directory: Path) -> None:
-        directory.mkdir(parents=True, exist_ok=True)
-        for side in ("src", "tgt"):
-            ragged = getattr(self, side)
-            np.save(directory / f"{side}_ids.npy", ragged.ids)
-            np.save(directory / f"{side}_offsets.npy", ragged.offsets)
+    def subset(self, keep: np.ndarray) -> EncodedCorpus:
+        return self if keep.all() else EncodedCorpus(self.src.subset(keep), self.tgt.subset(keep))
 
     @classmethod
     def load(cls, directory: Path) -> EncodedCorpus:
         """Memory-mapped: the ids stay on disk and are paged in as batches touch them."""
-        sides = [
-            RaggedIds(np.load(directory / f"{side}_ids.npy", mmap_mode="r"), np.load(directory / f"{side}_offsets.npy"))
-            for side in ("src", "tgt")
-        ]
-        return cls(*sides)
+        return cls(*(RaggedIds(_map_ids(directory / f"{side}_ids.bin"), np.load(directory / f"{side}_offsets.npy"))
+                     for side in SIDES))  # fmt: skip
+
+
+def write_corpus(directory: Path, chunks: Iterable[EncodedCorpus]) -> None:
+    """Append the chunks to `directory` in the on-disk layout; only their lengths stay in memory."""
+    lengths: dict[str, list[np.ndarray]] = {side: [] for side in SIDES}
+    with open(directory / "src_ids.bin", "wb") as src_file, open(directory / "tgt_ids.bin", "wb") as tgt_file:
+        for chunk in chunks:
+            for side, file in (("src", src_file), ("tgt", tgt_file)):
+                ragged = getattr(chunk, side)
+                file.write(np.ascontiguousarray(ragged.ids, dtype=ID_DTYPE).tobytes())
+                lengths[side].append(ragged.lengths())
+    for side in SIDES:
+        offsets = np.zeros(sum(len(part) for part in lengths[side]) + 1, dtype=np.int64)
+        if lengths[side]:
+            np.cumsum(np.concatenate(lengths[side]), out=offsets[1:])
+        np.save(directory / f"{side}_offsets.npy", offsets)
+
+
+def _map_ids(path: Path) -> np.ndarray:
+    if path.stat().st_size == 0:  # mmap cannot map an empty file
+        return np.zeros(0, ID_DTYPE)
+    return np.memmap(path, dtype=ID_DTYPE, mode="r")
 
 
 @dataclass(frozen=True)
@@ -98,20 +119,23 @@ class FilterReport:
     def describe(self) -> str:
         return f"kept {self.kept} pairs; removed {self.too_long} too long, {self.bad_ratio} with a bad length ratio"
 
+    def __add__(self, other: FilterReport) -> FilterReport:
+        return FilterReport(self.kept + other.kept, self.too_long + other.too_long, self.bad_ratio + other.bad_ratio)
 
-def encode_pairs(tokenizer: Tokenizer, pairs: Iterable[tuple[str, str]]) -> EncodedCorpus:
+
+def encode_chunks(tokenizer: Tokenizer, pairs: Iterable[tuple[str, str]]) -> Iterator[EncodedCorpus]:
     """Encode a stream of pairs chunk by chunk with all cores (SentencePiece threads); only one chunk
     of text is held in memory at a time."""
-    parts = []
     for chunk in _chunks(pairs, ENCODE_CHUNK):
         src, tgt = zip(*chunk)
-        parts.append(
-            EncodedCorpus(
-                RaggedIds.from_lists(tokenizer.encode_src(list(src))),
-                RaggedIds.from_lists(tokenizer.encode_tgt(list(tgt))),
-            )
+        yield EncodedCorpus(
+            RaggedIds.from_lists(tokenizer.encode_src(list(src))), RaggedIds.from_lists(tokenizer.encode_tgt(list(tgt)))
         )
-    return EncodedCorpus.concatenate(parts)
+
+
+def encode_pairs(tokenizer: Tokenizer, pairs: Iterable[tuple[str, str]]) -> EncodedCorpus:
+    """A small corpus (validation, tests), encoded into memory."""
+    return EncodedCorpus.concatenate(list(encode_chunks(tokenizer, pairs)))
 
 
 def _chunks(items: Iterable[T], size: int) -> Iterator[list[T]]:
@@ -120,18 +144,12 @@ def _chunks(items: Iterable[T], size: int) -> Iterator[list[T]]:
         yield chunk
 
 
-def filter_corpus(
-    corpus: EncodedCorpus, *, max_length: int, max_ratio: float, name: str
-) -> tuple[EncodedCorpus, FilterReport]:
-    """Drop pairs longer than max_length tokens on either side, or with a length ratio over max_ratio."""
+def length_filter(corpus: EncodedCorpus, *, max_length: int, max_ratio: float) -> tuple[np.ndarray, FilterReport]:
+    """Which pairs to keep: none longer than max_length tokens on either side or with a length ratio
+    over max_ratio (0 = no ratio limit); and how many each rule removed."""
     src_len, tgt_len = corpus.src.lengths(), corpus.tgt.lengths() + 1  # +1: the EOS added in batches
     too_long = (src_len > max_length) | (tgt_len > max_length)
     ratio = np.maximum(src_len, tgt_len) / np.maximum(np.minimum(src_len, tgt_len), 1)
     bad_ratio = ~too_long & (ratio > max_ratio) if max_ratio > 0 else np.zeros_like(too_long)
     keep = ~(too_long | bad_ratio)
-    report = FilterReport(int(keep.sum()), int(too_long.sum()), int(bad_ratio.sum()))
-    if report.kept == 0:
-        raise UserInputError(f"{name}: no sentence pairs left after filtering ({report.describe()})")
-    if keep.all():
-        return corpus, report
-    return EncodedCorpus(corpus.src.subset(keep), corpus.tgt.subset(keep)), report
+    return keep, FilterReport(int(keep.sum()), int(too_long.sum()), int(bad_ratio.sum()))

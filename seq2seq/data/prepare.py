@@ -1,18 +1,20 @@
 """From a validated config to what training needs: a tokenizer (trained once) and encoded, filtered splits.
 
-The training split is streamed: its text is never held in memory as a whole, and its token ids end
-up memory-mapped from the encoding cache (data.cache_dir).
+The training split is streamed: neither its text nor its token ids are ever held in memory as a
+whole; chunks are encoded, filtered and appended to the encoding cache (data.cache_dir), from which
+the ids are then memory-mapped.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from seq2seq.config import Config
-from seq2seq.data.cache import cache_key, load_cached, store
-from seq2seq.data.encoded import EncodedCorpus, encode_pairs, filter_corpus
+from seq2seq.data import cache
+from seq2seq.data.encoded import EncodedCorpus, FilterReport, encode_chunks, encode_pairs, length_filter, write_corpus
 from seq2seq.data.sources import PairCounts, ParallelText, iter_pairs, read_corpus
 from seq2seq.errors import UserInputError
 from seq2seq.tokenizer import Tokenizer, train_tokenizer
@@ -55,31 +57,39 @@ def load_or_train_tokenizer(config: Config, directory: Path) -> Tokenizer:
 def encode_training_split(config: Config, tokenizer: Tokenizer) -> EncodedCorpus:
     """The filtered training ids: from the cache when this data and tokenizer were encoded before."""
     data = config.data
+    report: dict = {}
+    if not data.cache_dir:
+        corpus = EncodedCorpus.concatenate(list(_filtered_chunks(config, tokenizer, report)))
+        _log_report(report, "")
+        return corpus
     settings = {"langs": [data.src_lang, data.tgt_lang], "max_length": data.max_length,
                 "max_length_ratio": data.max_length_ratio}  # fmt: skip
-    entry = Path(data.cache_dir) / cache_key(data.train, tokenizer=tokenizer, settings=settings)
-    cached = load_cached(entry) if data.cache_dir else None
-    if cached is None:
-        counts = PairCounts()
-        encoded = encode_pairs(tokenizer, stream_split(config, "train", counts))
-        if counts.kept == 0:
-            raise UserInputError("data.train: no sentence pairs found (empty file, or every pair had an empty side)")
-        encoded, filtered = filter_corpus(
-            encoded, max_length=data.max_length, max_ratio=data.max_length_ratio, name="data.train"
-        )
-        report = {"read": counts.kept + counts.dropped_empty, "empty": counts.dropped_empty,
-                  "too_long": filtered.too_long, "bad_ratio": filtered.bad_ratio, "kept": filtered.kept}  # fmt: skip
-        if not data.cache_dir:
-            _log_report(report, "")
-            return encoded
-        store(entry, encoded, report)
-        cached = load_cached(entry)
+    entry = Path(data.cache_dir) / cache.cache_key(data.train, tokenizer=tokenizer, settings=settings)
+    source = f" (from the cache {entry})"
+    if cache.load_cached(entry) is None:
+        with cache.new_entry(entry) as folder:
+            write_corpus(folder, _filtered_chunks(config, tokenizer, report))
+            cache.write_report(folder, report)
         source = f"; cached in {entry}"
-    else:
-        source = f" (from the cache {entry})"
-    corpus, report = cached
+    corpus, report = cache.load_cached(entry)
     _log_report(report, source)
     return corpus
+
+
+def _filtered_chunks(config: Config, tokenizer: Tokenizer, report: dict) -> Iterator[EncodedCorpus]:
+    """The training split streamed through the tokenizer and the length filters, chunk by chunk; once
+    exhausted, `report` holds the counts of what was read, removed and kept."""
+    data, counts, filtered = config.data, PairCounts(), FilterReport(0, 0, 0)
+    for chunk in encode_chunks(tokenizer, stream_split(config, "train", counts)):
+        keep, chunk_report = length_filter(chunk, max_length=data.max_length, max_ratio=data.max_length_ratio)
+        yield chunk.subset(keep)
+        filtered += chunk_report
+    if counts.kept == 0:
+        raise UserInputError("data.train: no sentence pairs found (empty file, or every pair had an empty side)")
+    if filtered.kept == 0:
+        raise UserInputError(f"data.train: no sentence pairs left after filtering ({filtered.describe()})")
+    report.update(read=counts.kept + counts.dropped_empty, empty=counts.dropped_empty, too_long=filtered.too_long,
+                  bad_ratio=filtered.bad_ratio, kept=filtered.kept)  # fmt: skip
 
 
 def prepare_training_data(config: Config, tokenizer: Tokenizer) -> TrainingData:
