@@ -5,6 +5,8 @@ cross_entropy with label smoothing makes several full passes over them (log_soft
 smoothing terms and their backward, an fp32 copy under autocast). Here each chunk of rows is cast,
 reduced and differentiated while it is in cache, and the backward is the closed form
 softmax(z) - (1 - eps) * onehot(y) - eps / V: measured 1.9x (fp32) to 2.4x (bf16) faster on CPU.
+Chunks are cast into one reused fp32 buffer: a fresh 8 MiB tensor per chunk costs more in
+allocation and page faults than the cast itself.
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ class _LabelSmoothedCrossEntropy(torch.autograd.Function):
         compute_dtype = torch.promote_types(logits.dtype, torch.float32)
         log_normalizers = torch.empty(logits.size(0), dtype=compute_dtype, device=logits.device)
         total = torch.zeros((), dtype=torch.float64, device=logits.device)
+        buffer = None if logits.dtype == compute_dtype else _chunk_buffer(logits, compute_dtype)
         for start in range(0, logits.size(0), CHUNK_ROWS):
             rows = slice(start, start + CHUNK_ROWS)
-            z = logits[rows].to(compute_dtype)
+            chunk = logits[rows]
+            z = chunk if buffer is None else buffer[: chunk.size(0)].copy_(chunk)
             lse = torch.logsumexp(z, dim=-1)
             log_normalizers[rows] = lse
             z_target = z.gather(1, target[rows, None]).squeeze(1)
@@ -38,13 +42,19 @@ class _LabelSmoothedCrossEntropy(torch.autograd.Function):
         logits, target, log_normalizers = ctx.saved_tensors
         smoothing, vocab = ctx.smoothing, logits.size(1)
         grad = torch.empty_like(logits)
+        buffer = _chunk_buffer(logits, log_normalizers.dtype)
         for start in range(0, logits.size(0), CHUNK_ROWS):
             rows = slice(start, start + CHUNK_ROWS)
-            z = logits[rows].to(log_normalizers.dtype, copy=True)  # a copy: the steps below are in place
+            chunk = logits[rows]
+            z = buffer[: chunk.size(0)].copy_(chunk)  # a copy: the steps below are in place
             z.sub_(log_normalizers[rows, None]).exp_().sub_(smoothing / vocab)  # softmax - eps / V
             z.scatter_add_(1, target[rows, None], z.new_full((z.size(0), 1), smoothing - 1.0))
             grad[rows] = z.mul_(grad_output)
         return grad, None, None
+
+
+def _chunk_buffer(logits: Tensor, dtype: torch.dtype) -> Tensor:
+    return torch.empty(min(CHUNK_ROWS, logits.size(0)), logits.size(1), dtype=dtype, device=logits.device)
 
 
 def label_smoothed_cross_entropy(logits: Tensor, target: Tensor, smoothing: float) -> Tensor:

@@ -34,3 +34,17 @@ def test_gradcheck_and_bf16_logits():
     assert half.grad.dtype == torch.bfloat16
     expected = F.cross_entropy(half.detach().float(), target, label_smoothing=0.1, reduction="sum")
     torch.testing.assert_close(value, expected, rtol=1e-5, atol=1e-4)
+
+
+def test_bf16_logits_across_chunks_match_the_fp32_computation(monkeypatch):
+    """bf16 chunks are cast through one reused fp32 buffer; a ragged last chunk must not see stale rows."""
+    monkeypatch.setattr(loss_module, "CHUNK_ROWS", 7)
+    logits = (torch.randn(30, 11) * 3).to(torch.bfloat16).requires_grad_()
+    target = torch.randint(0, 11, (30,))
+    ours = label_smoothed_cross_entropy(logits, target, 0.1)
+    (grad_ours,) = torch.autograd.grad(ours, logits)
+    exact = logits.detach().float().requires_grad_()
+    reference = F.cross_entropy(exact, target, label_smoothing=0.1, reduction="sum")
+    (grad_reference,) = torch.autograd.grad(reference, exact)
+    torch.testing.assert_close(ours, reference)
+    torch.testing.assert_close(grad_ours, grad_reference.to(torch.bfloat16))
