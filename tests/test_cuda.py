@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from seq2seq.config import ModelConfig, config_from_dict
+from seq2seq.data.batching import epoch_batches, make_batch
 from seq2seq.model import Seq2SeqTransformer, padding_mask
 from seq2seq.train import Trainer
 
@@ -44,6 +45,18 @@ def test_fp16_overflow_is_skipped_not_applied(tmp_path, tiny_data, monkeypatch):
     assert trainer.progress.skipped_steps == 1
     for name, param in trainer.model.named_parameters():
         assert torch.equal(param, before[name]), name
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_a_training_step_never_waits_for_the_gpu(tmp_path, tiny_data, precision):
+    trainer = cuda_trainer(tmp_path, tiny_data, precision, max_steps=10)
+    batch = make_batch(trainer.data.train, epoch_batches(trainer.data.train, max_tokens=512, seed=1, epoch=1)[0])
+    trainer._update([batch], batch.num_tokens)  # first step: lazy optimizer state and allocator warm-up
+    torch.cuda.set_sync_debug_mode("error")  # any host-device synchronisation now raises
+    try:
+        trainer._update([batch], batch.num_tokens)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 def test_cached_decoding_equals_full_pass_with_fused_attention():
