@@ -65,13 +65,13 @@ def encode_training_split(config: Config, tokenizer: Tokenizer) -> EncodedCorpus
     settings = {"langs": [data.src_lang, data.tgt_lang], "max_length": data.max_length,
                 "max_length_ratio": data.max_length_ratio}  # fmt: skip
     entry = Path(data.cache_dir) / cache.cache_key(data.train, tokenizer=tokenizer, settings=settings)
-    source = f" (from the cache {entry})"
-    if cache.load_cached(entry) is None:
+    cached, source = cache.load_cached(entry), f" (from the cache {entry})"
+    if cached is None:
         with cache.new_entry(entry) as folder:
             write_corpus(folder, _filtered_chunks(config, tokenizer, report))
             cache.write_report(folder, report)
-        source = f"; cached in {entry}"
-    corpus, report = cache.load_cached(entry)
+        cached, source = cache.load_cached(entry), f"; cached in {entry}"
+    corpus, report = cached
     _log_report(report, source)
     return corpus
 
