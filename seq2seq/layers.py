@@ -95,8 +95,8 @@ class MultiHeadAttention(nn.Module):
 def _probabilities(q: Tensor, k: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor:
     """softmax(q k^T / sqrt(head_dim)) over keys, (B, h, Tq, Tk), in fp32; masked keys get probability 0.
 
-    Scores rounded to bf16 (8-bit mantissa) carry ~0.4% error into exp(); fused kernels keep them in
-    fp32 too.
+    Scores rounded to bf16 (8-bit mantissa, ~0.4% relative error) cost the demo 0.6 BLEU on average
+    (README, Performance); fused kernels keep them in fp32 too.
     """
     with torch.autocast(q.device.type, enabled=False):
         scores = (q.float() @ k.float().transpose(-2, -1)) * q.size(-1) ** -0.5
