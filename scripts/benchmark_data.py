@@ -43,21 +43,23 @@ def prepare_and_measure(config_path: str, queue) -> None:
     """Runs in its own process so that its peak RSS is the preparation's alone."""
     from seq2seq.config import load_config
     from seq2seq.data.batching import epoch_batches, make_batch
-    from seq2seq.data.prepare import encode_training_split, load_or_train_tokenizer
+    from seq2seq.data.prepare import encode_training_split, stream_split
+    from seq2seq.tokenizer import load_or_train_tokenizer
 
     config = load_config(config_path)
     work = Path(config_path).parent
     start = time.perf_counter()
-    tokenizer = load_or_train_tokenizer(config, work / "tokenizer")
+    pairs = stream_split(config.data, "train")
+    tokenizer = load_or_train_tokenizer(work / "tokenizer", config.tokenizer, pairs, seed=config.train.seed)
     tokenizer_seconds = time.perf_counter() - start
     tokenizer_rss = peak_rss_mb()
     reset_peak_rss()
     start = time.perf_counter()
-    corpus = encode_training_split(config, tokenizer)
+    corpus = encode_training_split(config.data, tokenizer)
     encode_seconds = time.perf_counter() - start
     encode_rss = peak_rss_mb()
     start = time.perf_counter()
-    encode_training_split(config, tokenizer)
+    encode_training_split(config.data, tokenizer)
     cache_seconds = time.perf_counter() - start
     start = time.perf_counter()
     batches = epoch_batches(corpus, max_tokens=config.train.max_tokens, seed=1, epoch=1)

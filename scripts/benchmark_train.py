@@ -26,13 +26,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from seq2seq.config import load_config
+from seq2seq.config import Config, load_config
 from seq2seq.data.batching import epoch_batches, make_batch, padding_fraction
+from seq2seq.data.encoded import EncodedCorpus
+from seq2seq.data.prepare import encode_training_split, stream_split
 from seq2seq.errors import UserInputError
-from seq2seq.model import sinusoidal_positions
+from seq2seq.model import build_model, sinusoidal_positions
 from seq2seq.run_log import peak_memory_mb
-from seq2seq.tokenizer import PAD_ID
-from seq2seq.train import Trainer
+from seq2seq.special_tokens import PAD_ID
+from seq2seq.tokenizer import Tokenizer, load_or_train_tokenizer
+from seq2seq.train_step import build_optimizer, build_scaler, train_step
 
 COMMON = ["model.norm=post", "model.dropout=0.1", "model.share_embeddings=true"]
 MODELS = {  # the issue's CPU model, and Transformer-base of "Attention Is All You Need"
@@ -103,32 +106,37 @@ def matmul_rate(dtype: torch.dtype, seconds: float = 2.0) -> float:
     return count * 2 * n * k * k / (time.perf_counter() - start)
 
 
-def prepare(args, precision: str = "fp32") -> Trainer:
+def prepare(args, precision: str = "fp32") -> tuple[Config, Tokenizer, EncodedCorpus]:
+    """The config with this run's overrides, the tokenizer (trained once into the work folder) and the
+    encoded training split (from the encoding cache after the first call)."""
     overrides = [*MODELS[args.model], f"train.max_tokens={args.max_tokens}", f"train.precision={precision}",
                  f"train.threads={args.threads}", f"train.compile={args.compile}", f"data.cache_dir={args.work}/cache",
                  *args.set]  # fmt: skip
-    return Trainer(load_config(args.config, overrides), Path(args.work) / "run", show_progress=False)
+    config = load_config(args.config, overrides)
+    pairs = stream_split(config.data, "train")
+    tokenizer = load_or_train_tokenizer(Path(args.work) / "tokenizer", config.tokenizer, pairs, seed=config.train.seed)
+    return config, tokenizer, encode_training_split(config.data, tokenizer)
 
 
-def timed_steps(args, train_step, batches, flops_of) -> tuple[float, float]:
+def timed_steps(args, step, batches, flops_of) -> tuple[float, float]:
     """(target tokens/s, model FLOP/s) over args.steps steps after args.warmup untimed ones."""
     for batch in batches[: args.warmup]:
-        train_step(batch)
+        step(batch)
     timed = batches[args.warmup : args.warmup + args.steps]
     tokens, flops = sum(batch.num_tokens for batch in timed), sum(flops_of(batch) for batch in timed)
     synchronize()
     start = time.perf_counter()
     for batch in timed:
-        train_step(batch)
+        step(batch)
     synchronize()
     seconds = time.perf_counter() - start
     return tokens / seconds, flops / seconds
 
 
 def run_side(args, side: str, queue) -> None:
-    trainer = prepare(args, "bf16" if side == "ours bf16" else "fp32")
-    corpus, cfg = trainer.data.train, trainer.config.model
-    vocab = trainer.tokenizer.tgt_vocab_size
+    torch.set_num_threads(args.threads)
+    config, tokenizer, corpus = prepare(args, "bf16" if side == "ours bf16" else "fp32")
+    cfg, vocab = config.model, tokenizer.tgt_vocab_size
     order = epoch_batches(corpus, max_tokens=args.max_tokens, seed=1, epoch=1)[: args.warmup + args.steps]
     batches = [make_batch(corpus, indices) for indices in order]  # built before timing, for every side alike
 
@@ -136,7 +144,16 @@ def run_side(args, side: str, queue) -> None:
         return step_flops(batch, cfg.d_model, cfg.ffn_dim, cfg.encoder_layers, vocab)
 
     if side.startswith("ours"):
-        rate, flops = timed_steps(args, lambda b: trainer._update([b], b.num_tokens), batches, flops_of)
+        torch.manual_seed(config.train.seed)
+        model = build_model(cfg, tokenizer).to(DEVICE)
+        forward = torch.compile(model) if args.compile else model
+        optimizer, scaler = build_optimizer(model, config.train), build_scaler(DEVICE, config.train.precision)
+
+        def our_step(batch):
+            train_step(model, optimizer, scaler, [batch], update_tokens=batch.num_tokens, lr=1e-4,
+                       config=config.train, forward=forward)  # fmt: skip
+
+        rate, flops = timed_steps(args, our_step, batches, flops_of)
     else:
         torch.manual_seed(1)
         model = ReferenceModel(vocab, cfg.d_model, cfg.heads, cfg.encoder_layers, cfg.ffn_dim, cfg.dropout)

@@ -22,10 +22,9 @@ from pathlib import Path
 
 from seq2seq.checkpoint import load_for_inference
 from seq2seq.config import Config, load_config
-from seq2seq.data.sources import read_corpus
-from seq2seq.evaluate import Scores, score
+from seq2seq.data.prepare import read_split
+from seq2seq.evaluate import Scores, translate_and_score
 from seq2seq.train import Trainer
-from seq2seq.translate import translate_lines
 
 PRECISIONS = ("fp32", "bf16")
 
@@ -40,9 +39,9 @@ def train_and_score(config: Config, run_dir: Path) -> tuple[Scores, float, int, 
     seconds = time.perf_counter() - start
     valid_loss = [record["loss"] for record in trainer.metrics.read() if record["kind"] == "valid"][-1]
     bundle = load_for_inference(result.last_checkpoint)
-    test = read_corpus(config.data.test, src_lang=config.data.src_lang, tgt_lang=config.data.tgt_lang, key="data.test")
-    hypotheses = [t.text for t in translate_lines(bundle.model, bundle.tokenizer, test.src, config.decode)]
-    return score(hypotheses, test.tgt), valid_loss, result.progress.step, seconds
+    test = read_split(config.data, "test")
+    evaluation = translate_and_score(bundle.model, bundle.tokenizer, test.src, test.tgt, config.decode)
+    return evaluation.scores, valid_loss, result.progress.step, seconds
 
 
 def main() -> int:

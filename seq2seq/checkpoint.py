@@ -1,53 +1,135 @@
-"""Self-describing checkpoints: written atomically, read with weights_only=True, enough for inference alone."""
+"""The checkpoint format: one `Checkpoint` type, written atomically, read with weights_only=True.
+
+A checkpoint describes itself: the config and the tokenizer travel with the weights, so
+translation needs nothing else; the optimizer, loss scaler, progress and RNG states make a resumed
+run continue exactly. On disk it is a dict of plain data and tensors (no pickled objects), with a
+format version; `Checkpoint.from_state` names the field a foreign or damaged file lacks.
+This module also owns the checkpoint files of a run: numbered ones, `last.pt`, their rotation.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from seq2seq.config import Config, config_from_dict
 from seq2seq.errors import UserInputError
-from seq2seq.model import Seq2SeqTransformer
+from seq2seq.model import Seq2SeqTransformer, build_model
 from seq2seq.tokenizer import Tokenizer
 
 FORMAT_VERSION = 1
+LAST = "last.pt"
+BEST = "best.pt"
 
 
-def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
-    """Write to a temporary file in the same folder, fsync, then rename: a crash never leaves half a file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as handle:
-        torch.save({"format_version": FORMAT_VERSION, **state}, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+@dataclass
+class Progress:
+    """Where training stands; saved in every checkpoint so a resumed run continues exactly."""
+
+    step: int = 0
+    epoch: int = 1
+    next_batch: int = 0  # index into this epoch's batch order
+    best_bleu: float = -1.0
+    stale_validations: int = 0
+    train_seconds: float = 0.0
+    skipped_steps: int = 0  # non-finite gradients (fp16 overflow or NaN loss): never applied
 
 
-def read_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Load tensors and plain data only; arbitrary pickled objects are refused."""
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise UserInputError(f"{path}: checkpoint not found") from None
-    except Exception as exc:  # torch raises several types for corrupt or foreign files
-        raise UserInputError(f"{path}: not a readable seq2seq checkpoint ({type(exc).__name__})") from None
-    if not isinstance(state, dict) or state.get("format_version") != FORMAT_VERSION:
-        raise UserInputError(f"{path}: not a seq2seq checkpoint (format version {FORMAT_VERSION} expected)")
-    return state
+@dataclass
+class RngStates:
+    """Every rank's CPU generator state (one per rank, in rank order) and this process's CUDA states."""
+
+    torch: list[Tensor]
+    cuda: list[Tensor] = field(default_factory=list)
 
 
-def tokenizer_to_state(tokenizer: Tokenizer) -> dict[str, torch.Tensor]:
-    return {name: torch.frombuffer(bytearray(proto), dtype=torch.uint8) for name, proto in tokenizer.protos().items()}
+@dataclass
+class Checkpoint:
+    config: Config
+    tokenizer: Tokenizer
+    model: dict[str, Tensor]
+    optimizer: dict[str, Any]
+    scaler: dict[str, Any]
+    progress: Progress
+    rng: RngStates
+    averaged_from: list[str] = field(default_factory=list)  # set by `seq2seq average`
+
+    def to_state(self) -> dict[str, Any]:
+        """Plain data and tensors only, so that loading never needs to unpickle an object."""
+        tokenizer = {name: torch.frombuffer(bytearray(proto), dtype=torch.uint8)
+                     for name, proto in self.tokenizer.protos().items()}  # fmt: skip
+        return {
+            "format_version": FORMAT_VERSION,
+            "config": self.config.to_dict(),
+            "tokenizer": tokenizer,
+            "model": self.model,
+            "optimizer": self.optimizer,
+            "scaler": self.scaler,
+            "progress": dataclasses.asdict(self.progress),
+            "rng": {"torch": self.rng.torch, "cuda": self.rng.cuda},
+            "averaged_from": self.averaged_from,
+        }
+
+    @classmethod
+    def from_state(cls, state: Any, origin: str) -> Checkpoint:
+        """Check the version and every field; `origin` (the file) names the problem in errors."""
+        if not isinstance(state, dict) or state.get("format_version") != FORMAT_VERSION:
+            raise UserInputError(f"{origin}: not a seq2seq checkpoint (format version {FORMAT_VERSION} expected)")
+        missing = [name for name in _REQUIRED if name not in state]
+        if missing:
+            raise UserInputError(f"{origin}: checkpoint lacks {', '.join(missing)}; expected every field of format "
+                                 f"version {FORMAT_VERSION} ({', '.join(_REQUIRED)})")  # fmt: skip
+        progress_fields = {f.name for f in dataclasses.fields(Progress)}
+        if not isinstance(state["progress"], dict) or set(state["progress"]) != progress_fields:
+            raise UserInputError(f"{origin}: the checkpoint's progress has other fields than {sorted(progress_fields)}")
+        protos = {name: tensor.numpy().tobytes() for name, tensor in state["tokenizer"].items()}
+        return cls(
+            config=config_from_dict(state["config"], origin=f"{origin} (stored config)"),
+            tokenizer=Tokenizer.from_protos(protos),
+            model=state["model"],
+            optimizer=state["optimizer"],
+            scaler=state["scaler"],
+            progress=Progress(**state["progress"]),
+            rng=RngStates(state["rng"]["torch"], state["rng"]["cuda"]),
+            averaged_from=list(state.get("averaged_from", [])),
+        )
+
+    def save(self, path: str | Path) -> None:
+        """Write to a temporary file in the same folder, fsync, then rename: a crash never leaves half a file."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        with open(tmp, "wb") as handle:
+            torch.save(self.to_state(), handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Checkpoint:
+        """Load tensors and plain data only; arbitrary pickled objects are refused."""
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except FileNotFoundError:
+            raise UserInputError(f"{path}: checkpoint not found") from None
+        except Exception as exc:  # torch raises several types for corrupt or foreign files
+            raise UserInputError(f"{path}: not a readable seq2seq checkpoint ({type(exc).__name__})") from None
+        return cls.from_state(state, origin=str(path))
+
+    def build_model(self, device: torch.device | str = "cpu") -> Seq2SeqTransformer:
+        """The trained model, in eval mode, on `device`."""
+        model = build_model(self.config.model, self.tokenizer)
+        model.load_state_dict(self.model)
+        return model.to(device).eval()
 
 
-def tokenizer_from_state(state: dict[str, torch.Tensor]) -> Tokenizer:
-    return Tokenizer.from_protos({name: tensor.numpy().tobytes() for name, tensor in state.items()})
+_REQUIRED = ("config", "tokenizer", "model", "optimizer", "scaler", "progress", "rng")
 
 
 @dataclass
@@ -60,21 +142,26 @@ class InferenceBundle:
 
 
 def load_for_inference(path: str | Path, device: torch.device | str = "cpu") -> InferenceBundle:
-    state = read_checkpoint(path)
-    config = config_from_dict(state["config"], origin=f"{path} (stored config)")
-    tokenizer = tokenizer_from_state(state["tokenizer"])
-    model = build_model(config, tokenizer)
-    model.load_state_dict(state["model"])
-    return InferenceBundle(model.to(device).eval(), tokenizer, config)
+    checkpoint = Checkpoint.load(path)
+    return InferenceBundle(checkpoint.build_model(device), checkpoint.tokenizer, checkpoint.config)
 
 
-def build_model(config: Config, tokenizer: Tokenizer) -> Seq2SeqTransformer:
-    return Seq2SeqTransformer(
-        config.model, src_vocab_size=tokenizer.src_vocab_size, tgt_vocab_size=tokenizer.tgt_vocab_size
-    )
+def save_numbered(folder: Path, checkpoint: Checkpoint, *, keep_last: int) -> Path:
+    """Save as step_NNNNNNNN.pt, point last.pt at it, and delete all but the newest `keep_last` numbered ones."""
+    path = folder / f"step_{checkpoint.progress.step:08d}.pt"
+    checkpoint.save(path)
+    _link_latest(path, folder / LAST)
+    for old in numbered_checkpoints(folder)[:-keep_last]:
+        old.unlink()
+    return path
 
 
-def link_latest(path: Path, latest: Path) -> None:
+def numbered_checkpoints(folder: Path) -> list[Path]:
+    """The numbered checkpoints in `folder`, oldest first."""
+    return sorted(folder.glob("step_*.pt")) if folder.is_dir() else []
+
+
+def _link_latest(path: Path, latest: Path) -> None:
     """Point `latest` (e.g. last.pt) at `path` atomically, as a hard link: no second copy is written."""
     tmp = latest.with_name(f".{latest.name}.tmp")
     tmp.unlink(missing_ok=True)
@@ -87,13 +174,13 @@ def link_latest(path: Path, latest: Path) -> None:
 
 def average_checkpoints(paths: list[Path], output: Path) -> None:
     """Mean of the model parameters of checkpoints of one run; the rest is taken from the last one."""
-    states = [read_checkpoint(path) for path in paths]
-    names = set(states[0]["model"])
-    for path, state in zip(paths, states):
-        if set(state["model"]) != names:
+    checkpoints = [Checkpoint.load(path) for path in paths]
+    names = set(checkpoints[0].model)
+    for path, checkpoint in zip(paths, checkpoints):
+        if set(checkpoint.model) != names:
             raise UserInputError(f"{path}: its parameters differ from {paths[0]}'s; average checkpoints of one run")
     averaged = {
-        name: torch.stack([state["model"][name].float() for state in states]).mean(0).to(states[0]["model"][name].dtype)
+        name: torch.stack([c.model[name].float() for c in checkpoints]).mean(0).to(checkpoints[0].model[name].dtype)
         for name in names
     }
-    save_checkpoint(output, {**states[-1], "model": averaged, "averaged_from": [str(p) for p in paths]})
+    dataclasses.replace(checkpoints[-1], model=averaged, averaged_from=[str(p) for p in paths]).save(output)

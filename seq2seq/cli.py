@@ -5,9 +5,7 @@ Bad input (UserInputError) becomes one line per problem on stderr and exit code 
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import json
 import logging
 import os
 import subprocess
@@ -88,15 +86,12 @@ def tokenizer_train(config: ConfigArg, overrides: SetOption = None, run_dir: Run
     Example: seq2seq tokenizer train configs/demo.yaml
     """
     from seq2seq.config import load_config
-    from seq2seq.data.prepare import load_or_train_tokenizer
+    from seq2seq.run_dir import RunDir, train_run_tokenizer
 
-    cfg = load_config(config, overrides or [])
-    directory = _run_dir(config, run_dir) / "tokenizer"
-    if directory.exists() and any(directory.glob("*.model")):
-        raise UserInputError(f"{directory}: a tokenizer already exists; delete it to train a new one")
-    tokenizer = load_or_train_tokenizer(cfg, directory)
+    run = RunDir(_run_dir(config, run_dir))
+    tokenizer = train_run_tokenizer(load_config(config, overrides or []), run)
     typer.echo(
-        f"tokenizer: {tokenizer.src_vocab_size} source / {tokenizer.tgt_vocab_size} target pieces -> {directory}"
+        f"tokenizer: {tokenizer.src_vocab_size} source / {tokenizer.tgt_vocab_size} target pieces -> {run.tokenizer}"
     )
 
 
@@ -164,20 +159,11 @@ BeamOption = Annotated[
 ]
 
 
-def _decode_config(stored, beam: int | None, nbest: int | None, overrides: list[str]):
-    """The checkpoint's decode section with --beam/--nbest/--set decode.KEY=VALUE applied and validated."""
-    from seq2seq.config import apply_overrides, config_from_dict
-
-    raw = stored.to_dict()
-    for item in overrides:
-        if not item.startswith("decode."):
-            raise UserInputError(f"--set {item}: only decode.* keys can be changed at translation time")
-    apply_overrides(raw, overrides)
-    if beam is not None:
-        raw["decode"]["beam"] = beam
-    if nbest is not None:
-        raw["decode"]["nbest"] = nbest
-    return config_from_dict(raw, origin="command line").decode
+def _decode_overrides(overrides: list[str] | None, beam: int | None, nbest: int | None) -> list[str]:
+    """--set decode.KEY=VALUE items, then --beam and --nbest on top."""
+    extra = [f"decode.beam={beam}"] if beam is not None else []
+    extra += [f"decode.nbest={nbest}"] if nbest is not None else []
+    return [*(overrides or []), *extra]
 
 
 @app.command()
@@ -203,31 +189,11 @@ def translate(
       seq2seq translate -c runs/demo/checkpoints/last.pt -i test.en -o test.out --beam 5
       echo "the cat sleeps" | seq2seq translate -c runs/demo/checkpoints/best.pt
     """
-    from seq2seq.checkpoint import load_for_inference
-    from seq2seq.data.sources import decode_lines, read_lines
-    from seq2seq.translate import translate_lines, translate_stream
+    from seq2seq.translate import translate_file
 
-    bundle = load_for_inference(checkpoint, _device())
-    decode = _decode_config(bundle.config, beam, nbest, overrides or [])
-    source = decode_lines(sys.stdin.buffer, "<stdin>") if input == "-" else read_lines(input)
-    lines: list[str] = []
-    if stream:
-        results = translate_stream(bundle.model, bundle.tokenizer, source, decode)
-    else:
-        lines = list(source)
-        results = translate_lines(bundle.model, bundle.tokenizer, lines, decode, progress=input != "-")
-    with contextlib.nullcontext(sys.stdout) if output == "-" else open(output, "w", encoding="utf-8") as sink:
-        for index, result in enumerate(results):
-            if decode.nbest > 1:
-                sink.writelines(f"{index} ||| {text} ||| {value:.4f}\n" for text, value in result.nbest)
-            else:
-                sink.write(result.text + "\n")
-            if stream:
-                sink.flush()
-    if attention_plot is not None and lines:
-        from seq2seq.plots import plot_attention
-
-        written = plot_attention(bundle.model, bundle.tokenizer, lines[:5], attention_plot)
+    written = translate_file(checkpoint, source=input, output=output, decode_overrides=_decode_overrides(
+        overrides, beam, nbest), stream=stream, device=_device(), attention_plot=attention_plot)  # fmt: skip
+    if written:
         typer.echo(f"attention plots: {', '.join(map(str, written))}", err=True)
 
 
@@ -249,30 +215,11 @@ def evaluate(
 
     Example: seq2seq eval -c runs/demo/checkpoints/best.pt --src data/demo/test.en --ref data/demo/test.xx
     """
-    from seq2seq.checkpoint import load_for_inference
-    from seq2seq.data.sources import read_lines
-    from seq2seq.evaluate import score
-    from seq2seq.translate import translate_lines
+    from seq2seq.evaluate import evaluate_files
 
-    sources, references = list(read_lines(src)), list(read_lines(ref))
-    if len(sources) != len(references):
-        raise UserInputError(f"{src} has {len(sources)} lines but {ref} has {len(references)}; expected equal counts")
-    bundle = load_for_inference(checkpoint, _device())
-    decode = _decode_config(bundle.config, beam, 1, [])
-    hypotheses = [t.text for t in translate_lines(bundle.model, bundle.tokenizer, sources, decode, progress=True)]
-    scores = score(hypotheses, references)
-    typer.echo(scores.describe())
-    if hypotheses_path:
-        hypotheses_path.write_text("".join(h + "\n" for h in hypotheses), encoding="utf-8")
-    if json_path:
-        report = {
-            **scores.to_dict(),
-            "checkpoint": str(checkpoint),
-            "src": str(src),
-            "ref": str(ref),
-            "beam": decode.beam,
-        }
-        json_path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    evaluation = evaluate_files(checkpoint, src=src, ref=ref, decode_overrides=_decode_overrides(None, beam, None),
+                                device=_device(), hypotheses_path=hypotheses_path, json_path=json_path)  # fmt: skip
+    typer.echo(evaluation.scores.describe())
 
 
 @app.command()

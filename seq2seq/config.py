@@ -275,12 +275,32 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> set[str]:
     return keys
 
 
+def decode_config_with(stored: DecodeConfig, overrides: list[str]) -> DecodeConfig:
+    """A checkpoint's decode section with `decode.KEY=VALUE` overrides applied and validated."""
+    for item in overrides:
+        if not item.startswith("decode."):
+            raise UserInputError(f"--set {item}: only decode.* keys can be changed at translation time")
+    raw = {"decode": dataclasses.asdict(stored)}
+    overridden = apply_overrides(raw, overrides)
+    errors: list[tuple[str, str]] = []
+    decode = build_dataclass(DecodeConfig, raw["decode"], "decode.", errors)
+    if not errors:
+        collect_problems(decode, "decode.", errors)
+    _raise_problems(errors, origin="command line", overridden=overridden)
+    return decode
+
+
 def _build_checked(raw: dict[str, Any], *, origin: str, overridden: set[str]) -> Config:
     errors: list[tuple[str, str]] = []
     config = build_dataclass(Config, raw, "", errors)
     if not errors:
         collect_problems(config, "", errors)
+    _raise_problems(errors, origin=origin, overridden=overridden)
+    return config
+
+
+def _raise_problems(errors: list[tuple[str, str]], *, origin: str, overridden: set[str]) -> None:
+    """One line per problem, naming the --set flag that caused it or else the file."""
     if errors:
         lines = [f"{'--set ' + key if key in overridden else origin}: {key}: {msg}" for key, msg in errors]
         raise UserInputError("\n".join(lines))
-    return config

@@ -9,12 +9,11 @@ from pathlib import Path
 
 from seq2seq.checkpoint import load_for_inference
 from seq2seq.config import load_config
-from seq2seq.data.sources import read_corpus
+from seq2seq.data.prepare import read_split
 from seq2seq.demo_data import write_demo_corpus
-from seq2seq.evaluate import Scores, score
+from seq2seq.evaluate import Scores, translate_and_score
 from seq2seq.plots import plot_training_curves
 from seq2seq.train import Trainer
-from seq2seq.translate import translate_lines
 
 DEMO_DATA_DIR = Path("data/demo")  # configs/demo.yaml reads its files from here
 
@@ -31,15 +30,15 @@ def run_demo(
     result = Trainer(config, run_dir, show_progress=show_progress).run()
     best = result.last_checkpoint.with_name("best.pt")
     bundle = load_for_inference(best if best.exists() else result.last_checkpoint)
-    test = read_corpus(config.data.test, src_lang=config.data.src_lang, tgt_lang=config.data.tgt_lang, key="data.test")
-    translations = translate_lines(bundle.model, bundle.tokenizer, test.src, config.decode, progress=show_progress)
-    hypotheses = [t.text for t in translations]
+    test = read_split(config.data, "test")
+    evaluation = translate_and_score(bundle.model, bundle.tokenizer, test.src, test.tgt, config.decode,
+                                     progress=show_progress)  # fmt: skip
     echo("\nsample translations (test split):")
-    for src, ref, hyp in list(zip(test.src, test.tgt, hypotheses))[:5]:
+    for src, ref, hyp in list(zip(test.src, test.tgt, evaluation.hypotheses))[:5]:
         echo(f"  src: {src}\n  ref: {ref}\n  hyp: {hyp}\n")
-    scores = score(hypotheses, test.tgt)
+    scores = evaluation.scores
     plots = plot_training_curves(run_dir)
     echo(f"training curves: {', '.join(str(p) for p in plots)}")
-    echo(f"test set, beam {config.decode.beam}, {len(hypotheses)} sentences:\n{scores.describe()}")
+    echo(f"test set, beam {config.decode.beam}, {scores.sentences} sentences:\n{scores.describe()}")
     echo(f"demo finished in {time.perf_counter() - started:.0f}s; run directory: {run_dir}")
     return scores

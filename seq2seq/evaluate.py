@@ -1,12 +1,26 @@
-"""Corpus BLEU and chrF on detokenized text with sacrebleu, with the signatures that make them comparable."""
+"""Evaluation: translate sources, score the detokenized output against references with sacrebleu, report.
+
+Every place that scores a model (`seq2seq eval`, validation during training, the demo, the
+precision comparison) goes through `translate_and_score`; `score` alone serves hypotheses that
+already exist. Scores carry sacrebleu's signatures, which make them comparable across papers.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
+import torch
 from sacrebleu.metrics import BLEU, CHRF
 
+from seq2seq.checkpoint import load_for_inference
+from seq2seq.config import DecodeConfig, decode_config_with
+from seq2seq.data.sources import read_lines
 from seq2seq.errors import UserInputError
+from seq2seq.tokenizer import Tokenizer
+from seq2seq.translate import translate_lines
 
 
 @dataclass(frozen=True)
@@ -24,7 +38,14 @@ class Scores:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class Evaluation:
+    hypotheses: list[str]
+    scores: Scores
+
+
 def score(hypotheses: list[str], references: list[str]) -> Scores:
+    """Corpus BLEU and chrF with sacrebleu's defaults."""
     if len(hypotheses) != len(references):
         raise UserInputError(f"{len(hypotheses)} hypotheses but {len(references)} references; expected equal counts")
     bleu, chrf = BLEU(), CHRF()
@@ -35,3 +56,46 @@ def score(hypotheses: list[str], references: list[str]) -> Scores:
         chrf_signature=str(chrf.get_signature()),
         sentences=len(hypotheses),
     )
+
+
+def translate_and_score(
+    model: torch.nn.Module,
+    tokenizer: Tokenizer,
+    sources: list[str],
+    references: list[str],
+    decode: DecodeConfig,
+    *,
+    progress: bool = False,
+) -> Evaluation:
+    """Translate `sources` (best hypothesis only) and score them against `references`."""
+    if len(sources) != len(references):
+        raise UserInputError(f"{len(sources)} sources but {len(references)} references; expected equal counts")
+    decode = dataclasses.replace(decode, nbest=1)
+    hypotheses = [t.text for t in translate_lines(model, tokenizer, sources, decode, progress=progress)]
+    return Evaluation(hypotheses, score(hypotheses, references))
+
+
+def evaluate_files(
+    checkpoint: Path,
+    *,
+    src: Path,
+    ref: Path,
+    decode_overrides: list[str],
+    device: torch.device,
+    hypotheses_path: Path | None = None,
+    json_path: Path | None = None,
+) -> Evaluation:
+    """`seq2seq eval`: translate the file `src` with a checkpoint, score against `ref`, write the reports."""
+    sources, references = list(read_lines(src)), list(read_lines(ref))
+    if len(sources) != len(references):
+        raise UserInputError(f"{src} has {len(sources)} lines but {ref} has {len(references)}; expected equal counts")
+    bundle = load_for_inference(checkpoint, device)
+    decode = decode_config_with(bundle.config.decode, [*decode_overrides, "decode.nbest=1"])
+    evaluation = translate_and_score(bundle.model, bundle.tokenizer, sources, references, decode, progress=True)
+    if hypotheses_path:
+        hypotheses_path.write_text("".join(h + "\n" for h in evaluation.hypotheses), encoding="utf-8")
+    if json_path:
+        report = {**evaluation.scores.to_dict(), "checkpoint": str(checkpoint), "src": str(src), "ref": str(ref),
+                  "beam": decode.beam}  # fmt: skip
+        json_path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    return evaluation

@@ -26,7 +26,8 @@ class LayerCache:
 
 
 class DecoderCache:
-    """Per-layer caches for incremental decoding; `length` is how many target positions are cached."""
+    """Per-layer caches for incremental decoding (search.SearchCache); `length` is how many target
+    positions are cached, so the model knows the position of the next one."""
 
     def __init__(self, num_layers: int) -> None:
         self.layers = [LayerCache() for _ in range(num_layers)]

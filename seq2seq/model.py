@@ -8,13 +8,14 @@ Interface used by training and search alike:
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
 
 from seq2seq.config import ModelConfig
 from seq2seq.layers import DecoderCache, DecoderLayer, EncoderLayer
-from seq2seq.tokenizer import PAD_ID
+from seq2seq.special_tokens import PAD_ID, padding_mask
 
 
 def sinusoidal_positions(positions: Tensor, d_model: int) -> Tensor:
@@ -24,11 +25,6 @@ def sinusoidal_positions(positions: Tensor, d_model: int) -> Tensor:
     )
     angles = positions.float()[:, None] * frequencies[None, :]  # (T, d/2)
     return torch.stack([angles.sin(), angles.cos()], dim=-1).flatten(1)  # interleave: (T, d)
-
-
-def padding_mask(tokens: Tensor) -> Tensor:
-    """(B, S) ids -> (B, 1, 1, S) bool, True where a real token may be attended to."""
-    return (tokens != PAD_ID)[:, None, None, :]
 
 
 class Seq2SeqTransformer(nn.Module):
@@ -109,3 +105,20 @@ class Seq2SeqTransformer(nn.Module):
             maps.append(layer.cross_attention_weights(x, memory, src_mask))
             x = layer(x, memory, src_mask, None)
         return torch.stack(maps)
+
+
+class VocabularySizes(Protocol):
+    """What the model needs to know of a tokenizer (tokenizer.Tokenizer has it)."""
+
+    @property
+    def src_vocab_size(self) -> int: ...
+
+    @property
+    def tgt_vocab_size(self) -> int: ...
+
+
+def build_model(config: ModelConfig, vocabulary: VocabularySizes) -> Seq2SeqTransformer:
+    """A freshly initialised model of `config`'s shape for this vocabulary."""
+    return Seq2SeqTransformer(
+        config, src_vocab_size=vocabulary.src_vocab_size, tgt_vocab_size=vocabulary.tgt_vocab_size
+    )

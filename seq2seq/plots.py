@@ -14,7 +14,8 @@ from seq2seq.data.batching import pad  # noqa: E402
 from seq2seq.errors import UserInputError  # noqa: E402
 from seq2seq.run_log import MetricsLog  # noqa: E402
 from seq2seq.search import greedy_search  # noqa: E402
-from seq2seq.tokenizer import BOS_ID, Tokenizer  # noqa: E402
+from seq2seq.special_tokens import BOS_ID  # noqa: E402
+from seq2seq.tokenizer import Tokenizer  # noqa: E402
 
 
 def plot_training_curves(run_dir: str | Path) -> list[Path]:

@@ -1,20 +1,47 @@
-"""Greedy and beam search, batched over sentences, on any model with `encode`, `decode` and `new_cache`.
+"""Greedy and beam search, batched over sentences, on any model that honours the `Decoder` contract.
 
-The beam update is the pure function `beam_step`; the loops around it only call the model, keep
-finished hypotheses and drop finished sentences from the batch so that later steps cost less.
+The contract is written here, as Protocols: search needs `encode`, `decode` and `new_cache` from
+the model, and `reorder` and `select` from its cache; `Seq2SeqTransformer` with its `DecoderCache`
+is one implementation, `PrefixCache` serves decoders that keep no keys/values (scripted test
+models, recomputing reference decoders). The beam update is the pure function `beam_step`; the
+loops around it only call the model, keep finished hypotheses and drop finished sentences from
+the batch so that later steps cost less.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from seq2seq.config import DecodeConfig
-from seq2seq.model import padding_mask
-from seq2seq.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from seq2seq.special_tokens import BOS_ID, EOS_ID, PAD_ID, padding_mask
+
+
+class SearchCache(Protocol):
+    """What a decoder keeps between steps, one row per hypothesis (rows grouped by sentence)."""
+
+    def reorder(self, rows: Tensor) -> None:
+        """Keep (and repeat) the given hypothesis rows, in this order: the beams that survived a step."""
+
+    def select(self, rows: Tensor, sentences: Tensor) -> None:
+        """Keep the given hypothesis rows and source sentences: finished sentences leave the batch."""
+
+
+class Decoder(Protocol):
+    """The two-method model interface search drives (plus a fresh cache per batch)."""
+
+    def encode(self, src: Tensor, src_mask: Tensor) -> Tensor:
+        """src (B, S) ids, src_mask (B, 1, 1, S) -> memory (B, S, d)."""
+
+    def new_cache(self) -> SearchCache:
+        """An empty cache for one batch of sentences."""
+
+    def decode(self, tgt: Tensor, memory: Tensor, src_mask: Tensor, cache: SearchCache) -> Tensor:
+        """The new target positions tgt (N, 1), N = B * beams -> logits (N, 1, V); earlier ones come from `cache`."""
 
 
 @dataclass(frozen=True)
@@ -102,7 +129,7 @@ def _ban_repeated_ngrams(log_probs: Tensor, output: Tensor, n: int) -> None:
 
 
 @torch.no_grad()
-def greedy_search(model, src: Tensor, config: DecodeConfig) -> list[list[Hypothesis]]:
+def greedy_search(model: Decoder, src: Tensor, config: DecodeConfig) -> list[list[Hypothesis]]:
     """The most likely next token at every step, for a batch of source sentences (B, S)."""
     src_mask = padding_mask(src)
     memory = model.encode(src, src_mask)
@@ -133,7 +160,7 @@ def greedy_search(model, src: Tensor, config: DecodeConfig) -> list[list[Hypothe
 
 
 @torch.no_grad()
-def beam_search(model, src: Tensor, config: DecodeConfig) -> list[list[Hypothesis]]:
+def beam_search(model: Decoder, src: Tensor, config: DecodeConfig) -> list[list[Hypothesis]]:
     """Batched beam search; each sentence keeps its `nbest` best finished hypotheses, best first."""
     beam = config.beam
     batch = src.size(0)
@@ -180,7 +207,7 @@ def beam_search(model, src: Tensor, config: DecodeConfig) -> list[list[Hypothesi
     return [sorted(hyps, key=lambda h: h.score, reverse=True)[: config.nbest] for hyps in finished]
 
 
-def search(model, src: Tensor, config: DecodeConfig) -> list[list[Hypothesis]]:
+def search(model: Decoder, src: Tensor, config: DecodeConfig) -> list[list[Hypothesis]]:
     """Greedy when beam is 1 and one hypothesis is asked for, beam search otherwise."""
     if config.beam == 1:
         return greedy_search(model, src, config)

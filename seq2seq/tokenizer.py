@@ -1,12 +1,13 @@
 """SentencePiece training and a small Tokenizer wrapper (ids in, ids out, text back).
 
-Special ids are fixed for every model so the rest of the code can rely on them:
-pad=0, unk=1, bos=2, eos=3.
+Every model is trained with the special ids of special_tokens.py (pad=0, unk=1, bos=2, eos=3), so
+the rest of the code can rely on them. Training here also decides when a saved tokenizer is reused.
 """
 
 from __future__ import annotations
 
 import io
+import logging
 import os
 import random
 from collections.abc import Iterable
@@ -17,9 +18,10 @@ import sentencepiece as spm
 
 from seq2seq.config import TokenizerConfig
 from seq2seq.errors import UserInputError
+from seq2seq.special_tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
-PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class Tokenizer:
@@ -86,6 +88,25 @@ class Tokenizer:
         if missing:
             raise UserInputError(f"{directory}: no tokenizer found (expected joint.model, or src.model and tgt.model)")
         return cls.from_protos({n: (directory / f"{n}.model").read_bytes() for n in names})
+
+
+def saved_tokenizer_exists(directory: str | Path) -> bool:
+    return Path(directory).is_dir() and any(Path(directory).glob("*.model"))
+
+
+def load_or_train_tokenizer(
+    directory: str | Path, config: TokenizerConfig, pairs: Iterable[tuple[str, str]], *, seed: int
+) -> Tokenizer:
+    """Reuse the tokenizer saved in `directory`, or train one on `pairs` and save it there.
+
+    `pairs` is consumed only when training, so a lazy stream of a large corpus costs nothing on reuse.
+    """
+    if saved_tokenizer_exists(directory):
+        return Tokenizer.load(directory)
+    tokenizer = train_tokenizer(config, pairs, seed=seed)
+    tokenizer.save(directory)
+    log.info("trained tokenizer: %d source / %d target pieces", tokenizer.src_vocab_size, tokenizer.tgt_vocab_size)
+    return tokenizer
 
 
 def train_tokenizer(config: TokenizerConfig, pairs: Iterable[tuple[str, str]], *, seed: int = 1) -> Tokenizer:

@@ -1,31 +1,32 @@
-"""The training loop: teacher forcing, label-smoothed loss, warmup schedule, clipping, mixed precision,
-periodic validation BLEU, atomic checkpoints, exact resume, and DistributedDataParallel under torchrun."""
+"""The training loop and its stop rules: batches in a seeded order, one `train_step` per update, logging
+windows, periodic validation and best.pt, checkpoints and exact resume, DistributedDataParallel.
+
+The update itself is train_step.py; the run directory and data preparation, run_dir.py; the
+checkpoint format, checkpoint.py.
+"""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import yaml
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from seq2seq import checkpoint as ckpt
+from seq2seq.checkpoint import BEST, LAST, Checkpoint, Progress, RngStates, save_numbered
 from seq2seq.config import Config
-from seq2seq.data.batching import Batch, epoch_batches, make_batch
-from seq2seq.data.prepare import TrainingData, load_or_train_tokenizer, prepare_training_data
+from seq2seq.data.batching import epoch_batches, make_batch
 from seq2seq.distributed import setup_distributed
 from seq2seq.errors import UserInputError
-from seq2seq.loss import label_smoothed_cross_entropy
+from seq2seq.model import build_model
+from seq2seq.run_dir import RunDir, prepare_run
 from seq2seq.run_log import MetricsLog, peak_memory_mb
 from seq2seq.schedule import learning_rate
-from seq2seq.tokenizer import Tokenizer
+from seq2seq.train_step import StepResult, autocast, build_optimizer, build_scaler, train_step
 from seq2seq.validation import ValidationResult, validate
 
 log = logging.getLogger(__name__)
@@ -65,19 +66,6 @@ class SkippedUpdates:
         return total, longest_run
 
 
-@dataclass
-class Progress:
-    """Where training stands; saved in every checkpoint so a resumed run continues exactly."""
-
-    step: int = 0
-    epoch: int = 1
-    next_batch: int = 0  # index into this epoch's batch order
-    best_bleu: float = -1.0
-    stale_validations: int = 0
-    train_seconds: float = 0.0
-    skipped_steps: int = 0  # non-finite gradients (fp16 overflow or NaN loss): never applied
-
-
 @dataclass(frozen=True)
 class TrainResult:
     progress: Progress
@@ -87,7 +75,7 @@ class TrainResult:
 
 class Trainer:
     def __init__(self, config: Config, run_dir: Path, *, resume: bool = False, show_progress: bool = True) -> None:
-        self.config, self.run_dir = config, Path(run_dir)
+        self.config, self.run_dir = config, RunDir(Path(run_dir))
         tc = config.train
         self.dist = setup_distributed()
         self.show_progress = show_progress and self.dist.is_main
@@ -96,45 +84,27 @@ class Trainer:
         self.device = self.dist.device()
         if tc.precision == "fp16" and self.device.type != "cuda":
             raise UserInputError("train.precision: fp16 needs a CUDA GPU (loss scaling); use bf16 or fp32 on CPU")
-        self.checkpoints = self.run_dir / "checkpoints"
-        _check_run_dir(self.checkpoints, resume)
+        self.checkpoints = self.run_dir.checkpoints
+        self.run_dir.check(resume=resume)
         torch.manual_seed(tc.seed)
-        self.tokenizer, self.data = self._shared_data()
-        self.model = ckpt.build_model(config, self.tokenizer).to(self.device)
+        self.tokenizer, self.data = prepare_run(config, self.run_dir, self.dist)
+        self.model = build_model(config.model, self.tokenizer).to(self.device)
         if self.dist.enabled:  # same initial weights everywhere (DDP also broadcasts them); own dropout streams
             torch.manual_seed(tc.seed + 7919 * self.dist.rank)
         self.ddp = DistributedDataParallel(self.model) if self.dist.enabled else None
         wrapped = self.ddp or self.model
         self.forward = torch.compile(wrapped) if tc.compile else wrapped
-        optimizer_class = torch.optim.AdamW if tc.optimizer == "adamw" else torch.optim.Adam
-        # fused: one kernel for all parameters, and it can skip an update on a device-side flag (found_inf)
-        self.optimizer = optimizer_class(
-            self.model.parameters(), lr=0.0, betas=tc.betas, eps=tc.eps, weight_decay=tc.weight_decay, fused=True
-        )
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=tc.precision == "fp16")
+        self.optimizer = build_optimizer(self.model, tc)
+        self.scaler = build_scaler(self.device, tc.precision)
         self.progress = Progress()
+        self.last_step: StepResult | None = None
         self.skipped = SkippedUpdates(self.device)
-        self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", tensorboard=self.dist.is_main)
+        self.metrics = MetricsLog(self.run_dir.metrics, tensorboard=self.dist.is_main)
         if resume:
-            self._restore(_latest_checkpoint(self.checkpoints))
-
-    def _shared_data(self) -> tuple[Tokenizer, TrainingData]:
-        """Rank 0 prepares the run directory, tokenizer and encoding cache; the other ranks then reuse them."""
-        directory = self.run_dir / "tokenizer"
-        if self.dist.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.yaml").write_text(yaml.safe_dump(self.config.to_dict(), sort_keys=False))
-            tokenizer = load_or_train_tokenizer(self.config, directory)
-            data = prepare_training_data(self.config, tokenizer)
-        self.dist.barrier()
-        if not self.dist.is_main:
-            tokenizer = Tokenizer.load(directory)
-            data = prepare_training_data(self.config, tokenizer)
-        return tokenizer, data
+            self._restore(self.run_dir.latest_checkpoint())
 
     def autocast(self):
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.config.train.precision)
-        return torch.autocast(self.device.type, dtype=dtype or torch.float32, enabled=dtype is not None)
+        return autocast(self.device, self.config.train.precision)
 
     def run(self) -> TrainResult:
         tc, progress, dist = self.config.train, self.progress, self.dist
@@ -161,10 +131,16 @@ class Trainer:
                 started = time.perf_counter()
                 my_batches = [make_batch(self.data.train, indices) for indices in mine]
                 my_tokens = sum(batch.num_tokens for batch in my_batches)
-                loss_sum, skipped = self._update(my_batches, update_tokens)
+                progress.step += 1
+                lr = learning_rate(progress.step, tc, d_model=self.config.model.d_model)
+                step = train_step(self.model, self.optimizer, self.scaler, my_batches, update_tokens=update_tokens,
+                                  lr=lr, config=tc, forward=self.forward, ddp=self.ddp)  # fmt: skip
+                self.skipped.record(step.skipped)
+                self.last_step = step
                 progress.train_seconds += time.perf_counter() - started
-                window_loss += torch.where(skipped, 0.0, loss_sum)  # a skipped update's NaN must not poison the mean
-                window_loss_tokens += (~skipped) * my_tokens
+                # a skipped update's NaN must not poison the mean
+                window_loss += torch.where(step.skipped, 0.0, step.loss_sum)
+                window_loss_tokens += (~step.skipped) * my_tokens
                 window_tokens += my_tokens
                 bar.update(1)
                 log_step = progress.step % tc.log_every == 0
@@ -192,48 +168,7 @@ class Trainer:
         # down meanwhile aborted at exit in ~8% of two-rank CPU runs (under 1% with this barrier).
         dist.barrier()
         log.info("stopped after %d steps: %s", progress.step, stop_reason)
-        return TrainResult(dataclasses.replace(progress), self.checkpoints / "last.pt", stop_reason)
-
-    def _update(self, batches: list[Batch], update_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer update over this rank's `batches`, in the canonical AMP order, without a host sync.
-
-        The loss is normalised by the target tokens of the whole update on all ranks (`update_tokens`),
-        so any split over ranks and accumulation steps gives the same gradient. Returns the summed
-        loss and a device flag: True when the update was skipped, never applied, for non-finite
-        gradients (fp16 overflow, NaN loss).
-        """
-        tc, progress = self.config.train, self.progress
-        loss_sum = torch.zeros((), device=self.device)
-        self.model.train()
-        for index, batch in enumerate(batches):
-            batch = batch.to(self.device)
-            last = index == len(batches) - 1
-            # Inner accumulation steps skip DDP's gradient all-reduce; the last one syncs everything.
-            sync = contextlib.nullcontext() if self.ddp is None or last else self.ddp.no_sync()
-            with sync:
-                with self.autocast():
-                    logits = self.forward(batch.src, batch.tgt_in, batch.target_positions)
-                loss = label_smoothed_cross_entropy(logits, batch.targets, tc.label_smoothing)
-                self.scaler.scale(loss * (self.dist.world_size / update_tokens)).backward()  # DDP averages ranks
-            loss_sum += loss.detach()
-        progress.step += 1
-        lr = learning_rate(progress.step, tc, d_model=self.config.model.d_model)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.scaler.unscale_(self.optimizer)
-        max_norm = tc.clip_norm if tc.clip_norm > 0 else math.inf
-        self.grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        skipped = ~torch.isfinite(self.grad_norm)  # any inf/NaN gradient makes the norm non-finite
-        if self.scaler.is_enabled():
-            self.scaler.step(self.optimizer)  # hands its own found_inf to the fused optimizer
-            self.scaler.update()
-        else:
-            self.optimizer.found_inf = skipped.float()  # the fused kernel leaves parameters and state alone
-            self.optimizer.step()
-            del self.optimizer.found_inf
-        self.optimizer.zero_grad(set_to_none=True)
-        self.skipped.record(skipped)
-        return loss_sum, skipped
+        return TrainResult(dataclasses.replace(progress), self.checkpoints / LAST, stop_reason)
 
     def _account_skipped_updates(self) -> None:
         """Bring the device-side skip counters into the progress; stop if training has diverged."""
@@ -261,14 +196,21 @@ class Trainer:
             epoch=self.progress.epoch,
             loss=loss,
             lr=lr,
-            grad_norm=float(self.grad_norm),
+            grad_norm=float(self.last_step.grad_norm),
             tokens_per_second=tokens_per_second,
             skipped_steps=self.progress.skipped_steps,
             peak_memory_mb=peak_memory_mb(self.device),
         )
 
     def evaluate_valid(self) -> ValidationResult:
-        return validate(self.model, self.tokenizer, self.data, self.config, self.autocast())
+        return validate(
+            self.model,
+            self.tokenizer,
+            self.data,
+            train=self.config.train,
+            decode=self.config.decode,
+            autocast=self.autocast(),
+        )
 
     def _validate(self, bar: tqdm) -> None:
         """Rank 0 validates; the outcome (best BLEU, patience count) is shared so all ranks stop together."""
@@ -289,7 +231,7 @@ class Trainer:
                                bleu=result.scores.bleu, chrf=result.scores.chrf)  # fmt: skip
             if improved:
                 # best.pt is for translation, not resuming: rank 0's own RNG state is enough (no collective)
-                ckpt.save_checkpoint(self.checkpoints / "best.pt", self._state([torch.get_rng_state()]))
+                self._checkpoint([torch.get_rng_state()]).save(self.checkpoints / BEST)
         progress.best_bleu, progress.stale_validations = self.dist.broadcast(
             (progress.best_bleu, progress.stale_validations)
         )
@@ -308,61 +250,41 @@ class Trainer:
         """Every rank's dropout RNG state (a collective: all ranks call it together)."""
         return self.dist.gather(torch.get_rng_state())
 
-    def _state(self, rng_states: list[torch.Tensor]) -> dict:
-        return {
-            "config": self.config.to_dict(),
-            "tokenizer": ckpt.tokenizer_to_state(self.tokenizer),
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scaler": self.scaler.state_dict(),
-            "progress": dataclasses.asdict(self.progress),
-            "rng": {"torch": rng_states, "cuda": torch.cuda.get_rng_state_all()},
-        }
+    def _checkpoint(self, rng_states: list[torch.Tensor]) -> Checkpoint:
+        return Checkpoint(
+            config=self.config,
+            tokenizer=self.tokenizer,
+            model=self.model.state_dict(),
+            optimizer=self.optimizer.state_dict(),
+            scaler=self.scaler.state_dict(),
+            progress=dataclasses.replace(self.progress),
+            rng=RngStates(rng_states, torch.cuda.get_rng_state_all()),
+        )
 
     def _save(self) -> None:
         self._account_skipped_updates()
         rng_states = self._rng_states()
-        if not self.dist.is_main:
-            return
-        path = self.checkpoints / f"step_{self.progress.step:08d}.pt"
-        ckpt.save_checkpoint(path, self._state(rng_states))
-        ckpt.link_latest(path, self.checkpoints / "last.pt")
-        for old in sorted(self.checkpoints.glob("step_*.pt"))[: -self.config.train.keep_last]:
-            old.unlink()
+        if self.dist.is_main:
+            save_numbered(self.checkpoints, self._checkpoint(rng_states), keep_last=self.config.train.keep_last)
 
     def _restore(self, path: Path) -> None:
-        state = ckpt.read_checkpoint(path)
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scaler.load_state_dict(state["scaler"])
-        self.progress = Progress(**state["progress"])
-        rng_states = state["rng"]["torch"]
+        checkpoint = Checkpoint.load(path)
+        self.model.load_state_dict(checkpoint.model)
+        self.optimizer.load_state_dict(checkpoint.optimizer)
+        self.scaler.load_state_dict(checkpoint.scaler)
+        self.progress = checkpoint.progress
+        rng_states = checkpoint.rng.torch
         if len(rng_states) == self.dist.world_size:
             torch.set_rng_state(rng_states[self.dist.rank])
         else:  # resumed with another number of ranks: dropout streams cannot continue exactly
             log.warning("resuming %d ranks from a %d-rank run: dropout is reseeded", self.dist.world_size,
                         len(rng_states))  # fmt: skip
             torch.manual_seed(self.config.train.seed + 7919 * self.dist.rank + self.progress.step)
-        if torch.cuda.is_available() and state["rng"]["cuda"]:
-            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        if torch.cuda.is_available() and checkpoint.rng.cuda:
+            torch.cuda.set_rng_state_all(checkpoint.rng.cuda)
         if self.dist.is_main:
             self.metrics.truncate_after(self.progress.step)
         log.info("resumed from %s at step %d", path, self.progress.step)
-
-
-def _check_run_dir(checkpoints: Path, resume: bool) -> None:
-    existing = checkpoints.exists() and any(checkpoints.glob("step_*.pt"))
-    if resume and not existing:
-        raise UserInputError(f"--resume: {checkpoints} has no checkpoint to resume from")
-    if existing and not resume:
-        raise UserInputError(
-            f"{checkpoints.parent}: this run directory already has checkpoints; pass --resume to continue it "
-            "or --run-dir to start a new run"
-        )
-
-
-def _latest_checkpoint(checkpoints: Path) -> Path:
-    return sorted(checkpoints.glob("step_*.pt"))[-1]
 
 
 def _parameter_count(model: torch.nn.Module) -> int:

@@ -1,17 +1,22 @@
-"""Translate lines of text: encode, sort into token-budgeted batches, search, detokenize, restore order."""
+"""Translate lines of text: encode, sort into token-budgeted batches, search, detokenize, restore order;
+and `translate_file`, the whole of `seq2seq translate` (checkpoint in, text or n-best lines out)."""
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from seq2seq.config import DecodeConfig
+from seq2seq.checkpoint import load_for_inference
+from seq2seq.config import DecodeConfig, decode_config_with
 from seq2seq.data.batching import pad, token_batches
-from seq2seq.data.sources import normalize
+from seq2seq.data.sources import decode_lines, normalize, read_lines
 from seq2seq.search import search
 from seq2seq.tokenizer import Tokenizer
 
@@ -59,3 +64,39 @@ def translate_stream(
     """Translate one line at a time as it arrives (interactive use through pipes)."""
     for line in lines:
         yield translate_lines(model, tokenizer, [line.rstrip("\n")], config)[0]
+
+
+def translate_file(
+    checkpoint: Path,
+    *,
+    source: str,
+    output: str,
+    decode_overrides: list[str],
+    stream: bool,
+    device: torch.device,
+    attention_plot: Path | None = None,
+) -> list[Path]:
+    """`seq2seq translate`: `source` and `output` are paths or "-" (stdin, stdout). With n-best > 1 each
+    line becomes `index ||| text ||| score` lines. Returns the attention plots written, if asked for."""
+    bundle = load_for_inference(checkpoint, device)
+    decode = decode_config_with(bundle.config.decode, decode_overrides)
+    lines_in = decode_lines(sys.stdin.buffer, "<stdin>") if source == "-" else read_lines(source)
+    lines: list[str] = []
+    if stream:
+        results = translate_stream(bundle.model, bundle.tokenizer, lines_in, decode)
+    else:
+        lines = list(lines_in)
+        results = translate_lines(bundle.model, bundle.tokenizer, lines, decode, progress=source != "-")
+    with contextlib.nullcontext(sys.stdout) if output == "-" else open(output, "w", encoding="utf-8") as sink:
+        for index, result in enumerate(results):
+            if decode.nbest > 1:
+                sink.writelines(f"{index} ||| {text} ||| {value:.4f}\n" for text, value in result.nbest)
+            else:
+                sink.write(result.text + "\n")
+            if stream:
+                sink.flush()
+    if attention_plot is None or not lines:
+        return []
+    from seq2seq.plots import plot_attention  # matplotlib only when asked for
+
+    return plot_attention(bundle.model, bundle.tokenizer, lines[:5], attention_plot)

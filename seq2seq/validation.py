@@ -9,13 +9,12 @@ from dataclasses import dataclass
 
 import torch
 
-from seq2seq.config import Config
+from seq2seq.config import DecodeConfig, TrainConfig
 from seq2seq.data.batching import epoch_batches, make_batch
 from seq2seq.data.prepare import TrainingData
-from seq2seq.evaluate import Scores, score
+from seq2seq.evaluate import Scores, translate_and_score
 from seq2seq.loss import label_smoothed_cross_entropy
 from seq2seq.tokenizer import Tokenizer
-from seq2seq.translate import translate_lines
 
 
 @dataclass(frozen=True)
@@ -34,22 +33,23 @@ def validate(
     model: torch.nn.Module,
     tokenizer: Tokenizer,
     data: TrainingData,
-    config: Config,
+    *,
+    train: TrainConfig,
+    decode: DecodeConfig,
     autocast: AbstractContextManager,
 ) -> ValidationResult:
-    """Validation NLL per target token, and BLEU/chrF of at most valid_max_sentences translations."""
-    tc = config.train
+    """Validation NLL per target token, and BLEU/chrF of at most train.valid_max_sentences translations
+    (beam train.valid_beam, the other decode settings as given)."""
     device = next(model.parameters()).device
     model.eval()
     nll, tokens = 0.0, 0
     with autocast:
-        for indices in epoch_batches(data.valid, max_tokens=tc.max_tokens, seed=0, epoch=0):
+        for indices in epoch_batches(data.valid, max_tokens=train.max_tokens, seed=0, epoch=0):
             batch = make_batch(data.valid, indices).to(device)
             logits = model(batch.src, batch.tgt_in, batch.target_positions)
             nll += label_smoothed_cross_entropy(logits, batch.targets, 0.0).item()
             tokens += batch.num_tokens
-        count = min(tc.valid_max_sentences, len(data.valid_text))
-        decode = dataclasses.replace(config.decode, beam=tc.valid_beam, nbest=1)
-        translations = translate_lines(model, tokenizer, data.valid_text.src[:count], decode)
-    hypotheses = [t.text for t in translations]
-    return ValidationResult(nll / max(tokens, 1), score(hypotheses, data.valid_text.tgt[:count]), hypotheses)
+        count = min(train.valid_max_sentences, len(data.valid_text))
+        evaluation = translate_and_score(model, tokenizer, data.valid_text.src[:count], data.valid_text.tgt[:count],
+                                         dataclasses.replace(decode, beam=train.valid_beam))  # fmt: skip
+    return ValidationResult(nll / max(tokens, 1), evaluation.scores, evaluation.hypotheses)

@@ -52,6 +52,15 @@ def tiny_config_dict(data_dir: Path, **train_overrides) -> dict:
     }
 
 
+def make_trainer(tmp_path: Path, data: Path, name: str = "run", **train):
+    """A Trainer of the tiny config on `data`, writing to tmp_path/name."""
+    from seq2seq.config import config_from_dict
+    from seq2seq.train import Trainer
+
+    raw = tiny_config_dict(data, **train)
+    return Trainer(config_from_dict(raw, origin="test"), tmp_path / name, show_progress=False)
+
+
 @pytest.fixture(scope="session")
 def demo_pairs() -> dict[str, list[tuple[str, str]]]:
     return make_demo_corpus(seed=3, sizes={"train": 3000, "valid": 60, "test": 60})

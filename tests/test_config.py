@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from seq2seq.config import Config, config_from_dict, load_config
+from seq2seq.config import Config, DecodeConfig, config_from_dict, decode_config_with, load_config
 from seq2seq.errors import UserInputError
 
 from .conftest import tiny_config_dict
@@ -126,3 +126,15 @@ def test_resolved_config_round_trips(tmp_path, tiny_data):
     config = load_config(write(tmp_path, tiny_config_dict(tiny_data)))
     again = config_from_dict(yaml.safe_load(yaml.safe_dump(config.to_dict())), origin="saved")
     assert again == config
+
+
+def test_decode_overrides_build_the_decode_section_alone():
+    stored = DecodeConfig(beam=4, nbest=2)
+    changed = decode_config_with(stored, ["decode.beam=6", "decode.length_penalty=1.0"])
+    assert changed == DecodeConfig(beam=6, nbest=2, length_penalty=1.0)
+    with pytest.raises(UserInputError, match=r"--set train.lr=1: only decode.\* keys"):
+        decode_config_with(stored, ["train.lr=1"])
+    with pytest.raises(UserInputError, match="--set decode.nbest: decode.nbest: expected at most beam"):
+        decode_config_with(stored, ["decode.nbest=9"])
+    with pytest.raises(UserInputError, match="--set decode.bem: decode.bem: unknown key; did you mean 'decode.beam'"):
+        decode_config_with(stored, ["decode.bem=3"])

@@ -8,8 +8,10 @@ import torch
 
 from seq2seq.config import ModelConfig, config_from_dict
 from seq2seq.data.batching import epoch_batches, make_batch
-from seq2seq.model import Seq2SeqTransformer, padding_mask
+from seq2seq.model import Seq2SeqTransformer
+from seq2seq.special_tokens import padding_mask
 from seq2seq.train import Trainer
+from seq2seq.train_step import train_step
 
 from .conftest import tiny_config_dict
 
@@ -35,12 +37,12 @@ def test_mixed_precision_trains_on_cuda(tmp_path, tiny_data, precision):
 
 
 def test_fp16_overflow_is_skipped_not_applied(tmp_path, tiny_data, monkeypatch):
-    import seq2seq.train as train_module
+    import seq2seq.train_step as step_module
 
     trainer = cuda_trainer(tmp_path, tiny_data, "fp16", max_steps=1, valid_every=100)
     before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
-    real_loss = train_module.label_smoothed_cross_entropy
-    monkeypatch.setattr(train_module, "label_smoothed_cross_entropy", lambda *a: real_loss(*a) * float("inf"))
+    real_loss = step_module.label_smoothed_cross_entropy
+    monkeypatch.setattr(step_module, "label_smoothed_cross_entropy", lambda *a: real_loss(*a) * float("inf"))
     trainer.run()
     assert trainer.progress.skipped_steps == 1
     for name, param in trainer.model.named_parameters():
@@ -51,10 +53,16 @@ def test_fp16_overflow_is_skipped_not_applied(tmp_path, tiny_data, monkeypatch):
 def test_a_training_step_never_waits_for_the_gpu(tmp_path, tiny_data, precision):
     trainer = cuda_trainer(tmp_path, tiny_data, precision, max_steps=10)
     batch = make_batch(trainer.data.train, epoch_batches(trainer.data.train, max_tokens=512, seed=1, epoch=1)[0])
-    trainer._update([batch], batch.num_tokens)  # first step: lazy optimizer state and allocator warm-up
+    config = trainer.config.train
+
+    def step():
+        train_step(trainer.model, trainer.optimizer, trainer.scaler, [batch], update_tokens=batch.num_tokens,
+                   lr=1e-4, config=config)  # fmt: skip
+
+    step()  # first step: lazy optimizer state and allocator warm-up
     torch.cuda.set_sync_debug_mode("error")  # any host-device synchronisation now raises
     try:
-        trainer._update([batch], batch.num_tokens)
+        step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
 

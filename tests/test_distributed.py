@@ -11,7 +11,7 @@ import pytest
 import torch
 import yaml
 
-from seq2seq.checkpoint import read_checkpoint
+from seq2seq.checkpoint import Checkpoint
 
 from .conftest import tiny_config_dict
 
@@ -28,7 +28,7 @@ def train(config: Path, run_dir: Path, *extra: str) -> None:
 
 
 def final_parameters(run_dir: Path) -> dict[str, torch.Tensor]:
-    return read_checkpoint(run_dir / "checkpoints" / "last.pt")["model"]
+    return Checkpoint.load(run_dir / "checkpoints" / "last.pt").model
 
 
 @pytest.fixture
@@ -46,7 +46,7 @@ def test_two_ranks_equal_one_process_with_the_same_global_batch(tmp_path, config
     ddp, single = final_parameters(tmp_path / "ddp"), final_parameters(tmp_path / "single")
     for name, tensor in single.items():
         torch.testing.assert_close(ddp[name], tensor, atol=1e-6, rtol=0, msg=name)
-    halfway = read_checkpoint(tmp_path / "single" / "checkpoints" / "step_00000003.pt")["model"]
+    halfway = Checkpoint.load(tmp_path / "single" / "checkpoints" / "step_00000003.pt").model
     assert not torch.equal(halfway["output_proj.weight"], single["output_proj.weight"])  # training moved them
     log = (tmp_path / "ddp" / "metrics.jsonl").read_text().splitlines()
     assert [yaml.safe_load(line)["step"] for line in log] == [3, 6]  # rank 0 alone logs
@@ -59,4 +59,4 @@ def test_two_ranks_resume_where_they_stopped(tmp_path, config):
     straight, resumed = final_parameters(tmp_path / "straight"), final_parameters(tmp_path / "stopped")
     for name, tensor in straight.items():
         torch.testing.assert_close(resumed[name], tensor, atol=1e-6, rtol=0, msg=name)
-    assert read_checkpoint(tmp_path / "stopped" / "checkpoints" / "last.pt")["progress"]["step"] == 6
+    assert Checkpoint.load(tmp_path / "stopped" / "checkpoints" / "last.pt").progress.step == 6

@@ -10,8 +10,8 @@ from torch import nn
 
 from seq2seq.config import ModelConfig
 from seq2seq.interop import to_torch_transformer
-from seq2seq.model import Seq2SeqTransformer, padding_mask, sinusoidal_positions
-from seq2seq.tokenizer import PAD_ID
+from seq2seq.model import Seq2SeqTransformer, sinusoidal_positions
+from seq2seq.special_tokens import PAD_ID, padding_mask
 
 D_MODEL, HEADS, FFN, LAYERS, VOCAB = 32, 4, 64, 2, 50
 

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from seq2seq.data.encoded import EncodedCorpus
-from seq2seq.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from seq2seq.special_tokens import BOS_ID, EOS_ID, PAD_ID
 
 
 @dataclass(frozen=True)

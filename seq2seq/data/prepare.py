@@ -1,4 +1,4 @@
-"""From a validated config to what training needs: a tokenizer (trained once) and encoded, filtered splits.
+"""From the data section of a config to what training needs: encoded, filtered splits.
 
 The training split is streamed: neither its text nor its token ids are ever held in memory as a
 whole; chunks are encoded, filtered and appended to the encoding cache (data.cache_dir), from which
@@ -12,12 +12,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from seq2seq.config import Config
+from seq2seq.config import DataConfig
 from seq2seq.data import cache
 from seq2seq.data.encoded import EncodedCorpus, FilterReport, encode_chunks, encode_pairs, length_filter, write_corpus
 from seq2seq.data.sources import PairCounts, ParallelText, iter_pairs, read_corpus
 from seq2seq.errors import UserInputError
-from seq2seq.tokenizer import Tokenizer, train_tokenizer
+from seq2seq.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -29,37 +29,28 @@ class TrainingData:
     valid_text: ParallelText  # raw sentences: BLEU is computed on detokenized text
 
 
-def stream_split(config: Config, split: str, counts: PairCounts | None = None):
-    corpus = getattr(config.data, split)
-    return iter_pairs(
-        corpus, src_lang=config.data.src_lang, tgt_lang=config.data.tgt_lang, key=f"data.{split}", counts=counts
-    )
+def stream_split(data: DataConfig, split: str, counts: PairCounts | None = None) -> Iterator[tuple[str, str]]:
+    """The split's non-empty pairs, read lazily."""
+    return iter_pairs(getattr(data, split), src_lang=data.src_lang, tgt_lang=data.tgt_lang, key=f"data.{split}",
+                      counts=counts)  # fmt: skip
 
 
-def read_split(config: Config, split: str) -> ParallelText:
-    corpus = getattr(config.data, split)
-    text = read_corpus(corpus, src_lang=config.data.src_lang, tgt_lang=config.data.tgt_lang, key=f"data.{split}")
+def read_split(data: DataConfig, split: str) -> ParallelText:
+    """A small split (valid, test) in memory; an empty one is an error."""
+    corpus = getattr(data, split)
+    if corpus is None:
+        raise UserInputError(f"data.{split}: not set in the config; expected a corpus (format and files)")
+    text = read_corpus(corpus, src_lang=data.src_lang, tgt_lang=data.tgt_lang, key=f"data.{split}")
     if not len(text):
         raise UserInputError(f"data.{split}: no sentence pairs found (empty file, or every pair had an empty side)")
     return text
 
 
-def load_or_train_tokenizer(config: Config, directory: Path) -> Tokenizer:
-    """Reuse the tokenizer in `directory` if present, otherwise train it on the training split and save it."""
-    if directory.exists() and any(directory.glob("*.model")):
-        return Tokenizer.load(directory)
-    tokenizer = train_tokenizer(config.tokenizer, stream_split(config, "train"), seed=config.train.seed)
-    tokenizer.save(directory)
-    log.info("trained tokenizer: %d source / %d target pieces", tokenizer.src_vocab_size, tokenizer.tgt_vocab_size)
-    return tokenizer
-
-
-def encode_training_split(config: Config, tokenizer: Tokenizer) -> EncodedCorpus:
+def encode_training_split(data: DataConfig, tokenizer: Tokenizer) -> EncodedCorpus:
     """The filtered training ids: from the cache when this data and tokenizer were encoded before."""
-    data = config.data
     report: dict = {}
     if not data.cache_dir:
-        corpus = EncodedCorpus.concatenate(list(_filtered_chunks(config, tokenizer, report)))
+        corpus = EncodedCorpus.concatenate(list(_filtered_chunks(data, tokenizer, report)))
         _log_report(report, "")
         return corpus
     settings = {"langs": [data.src_lang, data.tgt_lang], "max_length": data.max_length,
@@ -68,7 +59,7 @@ def encode_training_split(config: Config, tokenizer: Tokenizer) -> EncodedCorpus
     cached, source = cache.load_cached(entry), f" (from the cache {entry})"
     if cached is None:
         with cache.new_entry(entry) as folder:
-            write_corpus(folder, _filtered_chunks(config, tokenizer, report))
+            write_corpus(folder, _filtered_chunks(data, tokenizer, report))
             cache.write_report(folder, report)
         cached, source = cache.load_cached(entry), f"; cached in {entry}"
     corpus, report = cached
@@ -76,11 +67,11 @@ def encode_training_split(config: Config, tokenizer: Tokenizer) -> EncodedCorpus
     return corpus
 
 
-def _filtered_chunks(config: Config, tokenizer: Tokenizer, report: dict) -> Iterator[EncodedCorpus]:
+def _filtered_chunks(data: DataConfig, tokenizer: Tokenizer, report: dict) -> Iterator[EncodedCorpus]:
     """The training split streamed through the tokenizer and the length filters, chunk by chunk; once
     exhausted, `report` holds the counts of what was read, removed and kept."""
-    data, counts, filtered = config.data, PairCounts(), FilterReport(0, 0, 0)
-    for chunk in encode_chunks(tokenizer, stream_split(config, "train", counts)):
+    counts, filtered = PairCounts(), FilterReport(0, 0, 0)
+    for chunk in encode_chunks(tokenizer, stream_split(data, "train", counts)):
         keep, chunk_report = length_filter(chunk, max_length=data.max_length, max_ratio=data.max_length_ratio)
         yield chunk.subset(keep)
         filtered += chunk_report
@@ -92,9 +83,9 @@ def _filtered_chunks(config: Config, tokenizer: Tokenizer, report: dict) -> Iter
                   bad_ratio=filtered.bad_ratio, kept=filtered.kept)  # fmt: skip
 
 
-def prepare_training_data(config: Config, tokenizer: Tokenizer) -> TrainingData:
-    train = encode_training_split(config, tokenizer)
-    valid_text = read_split(config, "valid")
+def prepare_training_data(data: DataConfig, tokenizer: Tokenizer) -> TrainingData:
+    train = encode_training_split(data, tokenizer)
+    valid_text = read_split(data, "valid")
     valid = encode_pairs(tokenizer, zip(valid_text.src, valid_text.tgt))
     return TrainingData(train, valid, valid_text)
 

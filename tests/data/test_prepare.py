@@ -9,18 +9,20 @@ import pytest
 
 import seq2seq.data.prepare as prepare
 from seq2seq.config import config_from_dict
-from seq2seq.data.encoded import EncodedCorpus, RaggedIds
+from seq2seq.data.encoded import EncodedCorpus
 from seq2seq.errors import UserInputError
+from seq2seq.tokenizer import load_or_train_tokenizer
 
-from .conftest import tiny_config_dict
+from ..conftest import tiny_config_dict
 
 
 def make(tiny_data, **data_overrides):
     raw = tiny_config_dict(tiny_data)
     raw["data"].update(data_overrides)
     config = config_from_dict(raw, origin="test")
-    tokenizer = prepare.load_or_train_tokenizer(config, tiny_data.parent / "tok")
-    return config, tokenizer
+    pairs = prepare.stream_split(config.data, "train")
+    tokenizer = load_or_train_tokenizer(tiny_data.parent / "tok", config.tokenizer, pairs, seed=1)
+    return config.data, tokenizer
 
 
 def test_second_preparation_comes_memory_mapped_from_the_cache(tiny_data, monkeypatch, caplog):
@@ -73,11 +75,3 @@ def test_ids_are_never_whole_in_memory_while_the_cache_is_written(tiny_data, mon
     config, tokenizer = make(tiny_data)
     corpus = prepare.encode_training_split(config, tokenizer)
     assert len(corpus) == 3000 and isinstance(corpus.tgt.ids, np.memmap)
-
-
-def test_vectorised_subset_equals_a_python_loop():
-    rng = np.random.default_rng(0)
-    ragged = RaggedIds.from_lists([list(rng.integers(0, 99, size=rng.integers(0, 9))) for _ in range(200)])
-    keep = rng.random(200) < 0.5
-    subset = ragged.subset(keep)
-    assert [subset[i].tolist() for i in range(len(subset))] == [ragged[i].tolist() for i in np.flatnonzero(keep)]

@@ -1,0 +1,115 @@
+"""One optimizer update, as a function of its inputs: the mixed-precision train step, written once.
+
+In the canonical order: autocast forward -> scaled backward -> unscale -> clip -> step -> update ->
+zero_grad. Nothing here reads a tensor's value into Python, so on a GPU a step never waits for the
+device (a host sync); what the step measured comes back as device tensors, read when the trainer
+logs. The optimizer and loss scaler that the step needs are built here too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+from seq2seq.config import TrainConfig
+from seq2seq.data.batching import Batch
+from seq2seq.loss import label_smoothed_cross_entropy
+
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one update measured, still on the device."""
+
+    loss_sum: Tensor  # () label-smoothed loss summed over this rank's target tokens
+    skipped: Tensor  # () bool: True when non-finite gradients meant the update was never applied
+    grad_norm: Tensor  # () global gradient norm before clipping
+
+
+def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
+    """The autocast context of `precision` (fp32: a disabled one) on `device`."""
+    dtype = AUTOCAST_DTYPES.get(precision)
+    return torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None)
+
+
+def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+    """Adam or AdamW, fused: one kernel for all parameters, which can skip an update on a device flag."""
+    optimizer_class = torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.Adam
+    return optimizer_class(
+        model.parameters(), lr=0.0, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay, fused=True
+    )
+
+
+def build_scaler(device: torch.device, precision: str) -> torch.amp.GradScaler:
+    """Loss scaling for fp16 only; for the other precisions a disabled scaler that passes through."""
+    return torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+
+
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    batches: list[Batch],
+    *,
+    update_tokens: int,
+    lr: float,
+    config: TrainConfig,
+    forward: Callable[..., Tensor] | None = None,
+    ddp: DistributedDataParallel | None = None,
+) -> StepResult:
+    """One update of `model` over this rank's `batches` (accumulated), at learning rate `lr`.
+
+    The loss is normalised by `update_tokens`, the target tokens of the whole update on all ranks,
+    so any split over ranks and accumulation steps gives the same gradient. `forward` is the model
+    as wrapped for training (DDP, torch.compile; default: `model`); under DDP, pass the wrapper as
+    `ddp` too, so that inner accumulation steps skip its gradient all-reduce.
+    """
+    if forward is None:  # not `or`: a compiled module has no truth value
+        forward = model if ddp is None else ddp
+    world_size = torch.distributed.get_world_size() if ddp is not None else 1
+    device = next(model.parameters()).device
+    loss_sum = torch.zeros((), device=device)
+    model.train()
+    for index, batch in enumerate(batches):
+        batch = batch.to(device)
+        last = index == len(batches) - 1
+        sync = contextlib.nullcontext() if ddp is None or last else ddp.no_sync()
+        with sync:
+            with autocast(device, config.precision):
+                logits = forward(batch.src, batch.tgt_in, batch.target_positions)
+            loss = label_smoothed_cross_entropy(logits, batch.targets, config.label_smoothing)
+            scaler.scale(loss * (world_size / update_tokens)).backward()  # DDP averages over ranks
+        loss_sum += loss.detach()
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    scaler.unscale_(optimizer)
+    max_norm = config.clip_norm if config.clip_norm > 0 else math.inf
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    skipped = ~torch.isfinite(grad_norm)  # any inf/NaN gradient makes the norm non-finite
+    step_unless_skipped(optimizer, scaler, skipped)
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(loss_sum, skipped, grad_norm)
+
+
+def step_unless_skipped(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, skipped: Tensor) -> None:
+    """Apply the update unless the device flag `skipped` is set, without reading the flag on the host.
+
+    A fused optimizer leaves parameters and state alone when its `found_inf` tensor is non-zero; the
+    fp16 scaler hands it its own overflow flag, and for the other precisions we hand it `skipped`.
+    """
+    if scaler.is_enabled():
+        scaler.step(optimizer)
+        scaler.update()
+        return
+    optimizer.found_inf = skipped.float()
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.found_inf

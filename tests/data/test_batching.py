@@ -1,0 +1,40 @@
+"""The Batch type's teacher-forcing shift and token-budgeted, seeded batches."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from seq2seq.data.batching import collate, epoch_batches, padding_fraction, token_batches
+from seq2seq.data.encoded import EncodedCorpus, RaggedIds
+from seq2seq.special_tokens import BOS_ID, EOS_ID, PAD_ID
+
+
+def test_collate_builds_the_teacher_forcing_shift():
+    batch = collate([np.array([5, EOS_ID]), np.array([6, 7, EOS_ID])], [np.array([8, 9]), np.array([10])])
+    assert batch.src.tolist() == [[5, EOS_ID, PAD_ID], [6, 7, EOS_ID]]
+    assert batch.tgt_in.tolist() == [[BOS_ID, 8, 9], [BOS_ID, 10, PAD_ID]]
+    assert batch.tgt_out.tolist() == [[8, 9, EOS_ID], [10, EOS_ID, PAD_ID]]
+    assert batch.num_tokens == 5
+
+
+def test_token_batches_respect_the_budget_and_cover_every_sentence():
+    lengths = np.random.default_rng(0).integers(1, 40, size=500)
+    batches = token_batches(lengths, max_tokens=200)
+    assert sorted(np.concatenate(batches).tolist()) == list(range(500))
+    assert all(len(b) * lengths[b].max() <= 200 for b in batches)
+
+
+def test_epoch_batches_are_deterministic_per_seed_and_epoch_and_low_padding(demo_pairs):
+    rng = np.random.default_rng(1)
+    seqs = [list(rng.integers(4, 50, size=rng.integers(1, 30))) for _ in range(400)]
+    corpus = EncodedCorpus(RaggedIds.from_lists(seqs), RaggedIds.from_lists(seqs))
+    first = epoch_batches(corpus, max_tokens=300, seed=1, epoch=1)
+    again = epoch_batches(corpus, max_tokens=300, seed=1, epoch=1)
+    other = epoch_batches(corpus, max_tokens=300, seed=1, epoch=2)
+    assert all(np.array_equal(a, b) for a, b in zip(first, again))
+    assert not all(len(a) == len(b) and np.array_equal(a, b) for a, b in zip(first, other))
+    assert 0.0 < padding_fraction(corpus, first) < 0.1
+    one_batch_per_sentence = [np.array([i]) for i in range(len(corpus))]
+    assert padding_fraction(corpus, one_batch_per_sentence) == 0.0
+    random_batches = np.array_split(np.random.default_rng(2).permutation(len(corpus)), 40)
+    assert padding_fraction(corpus, random_batches) > 0.3

@@ -1,0 +1,95 @@
+"""The checkpoint format: self-contained for inference, safe to load, atomic to write, averaged exactly."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from seq2seq.checkpoint import Checkpoint, average_checkpoints, load_for_inference
+from seq2seq.errors import UserInputError
+
+from .conftest import make_trainer
+
+
+@pytest.fixture
+def two_checkpoints(tmp_path, tiny_data) -> list[Path]:
+    make_trainer(tmp_path, tiny_data, max_steps=4, save_every=2, valid_every=100, keep_last=5).run()
+    return sorted((tmp_path / "run" / "checkpoints").glob("step_*.pt"))
+
+
+def test_checkpoint_is_self_contained_for_inference(tmp_path, tiny_data):
+    trainer = make_trainer(tmp_path, tiny_data, max_steps=10, valid_every=5, save_every=5, keep_last=1)
+    result = trainer.run()
+    saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert saved == ["best.pt", "last.pt", "step_00000010.pt"]  # keep_last: 1
+    bundle = load_for_inference(result.last_checkpoint)
+    for name, tensor in trainer.model.state_dict().items():
+        assert torch.equal(tensor, bundle.model.state_dict()[name])
+    assert bundle.tokenizer.encode_src(["the cat"]) == trainer.tokenizer.encode_src(["the cat"])
+    assert bundle.config == trainer.config
+    assert (tmp_path / "run" / "config.yaml").exists()
+
+
+def test_state_round_trip_keeps_every_field(two_checkpoints):
+    checkpoint = Checkpoint.load(two_checkpoints[-1])
+    again = Checkpoint.from_state(checkpoint.to_state(), origin="memory")
+    assert again.progress == checkpoint.progress and again.progress.step == 4
+    assert again.config == checkpoint.config
+    assert again.tokenizer.protos() == checkpoint.tokenizer.protos()
+    assert all(torch.equal(again.model[name], tensor) for name, tensor in checkpoint.model.items())
+    assert all(torch.equal(a, b) for a, b in zip(again.rng.torch, checkpoint.rng.torch))
+
+
+def test_checkpoint_loading_refuses_pickled_code(tmp_path):
+    evil = tmp_path / "evil.pt"
+    torch.save({"format_version": 1, "payload": Path("x")}, evil)  # an arbitrary object, not plain data
+    with pytest.raises(UserInputError, match="not a readable seq2seq checkpoint"):
+        Checkpoint.load(evil)
+    torch.save({"model": {}}, tmp_path / "foreign.pt")
+    with pytest.raises(UserInputError, match="not a seq2seq checkpoint"):
+        Checkpoint.load(tmp_path / "foreign.pt")
+
+
+def test_a_checkpoint_that_lacks_a_field_is_named(tmp_path, two_checkpoints):
+    state = Checkpoint.load(two_checkpoints[0]).to_state()
+    del state["optimizer"], state["rng"]
+    damaged = tmp_path / "damaged.pt"
+    torch.save(state, damaged)
+    with pytest.raises(UserInputError, match=rf"{damaged}: checkpoint lacks optimizer, rng; expected every field"):
+        Checkpoint.load(damaged)
+    state = Checkpoint.load(two_checkpoints[0]).to_state()
+    del state["progress"]["epoch"]
+    torch.save(state, damaged)
+    with pytest.raises(UserInputError, match="the checkpoint's progress has other fields than"):
+        Checkpoint.load(damaged)
+
+
+def test_a_failed_save_leaves_the_previous_checkpoint_intact(tmp_path, monkeypatch, two_checkpoints):
+    first, second = (Checkpoint.load(path) for path in two_checkpoints)
+    path = tmp_path / "c.pt"
+    first.save(path)
+
+    def crash(*args, **kwargs):
+        args[1].write(b"partial garbage")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", crash)
+    with pytest.raises(OSError):
+        second.save(path)
+    monkeypatch.undo()
+    assert Checkpoint.load(path).progress == first.progress
+
+
+def test_average_of_checkpoints_is_the_parameter_mean(tmp_path, two_checkpoints):
+    first, second = two_checkpoints
+    average_checkpoints([first, second], tmp_path / "avg.pt")
+    a, b = Checkpoint.load(first).model, Checkpoint.load(second).model
+    averaged = Checkpoint.load(tmp_path / "avg.pt")
+    for name in a:
+        torch.testing.assert_close(averaged.model[name], (a[name] + b[name]) / 2)
+    assert averaged.averaged_from == [str(first), str(second)]
+    assert dataclasses.replace(averaged.progress) == Checkpoint.load(second).progress
+    load_for_inference(tmp_path / "avg.pt")  # still a complete checkpoint

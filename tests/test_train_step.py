@@ -1,0 +1,67 @@
+"""One optimizer update, without a trainer or a run directory: exact accumulation, skipped updates."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from seq2seq.config import ModelConfig, TokenizerConfig, TrainConfig
+from seq2seq.data.batching import epoch_batches, make_batch
+from seq2seq.data.encoded import encode_pairs
+from seq2seq.model import build_model
+from seq2seq.tokenizer import train_tokenizer
+from seq2seq.train_step import build_optimizer, build_scaler, train_step
+
+MODEL = ModelConfig(d_model=96, heads=4, encoder_layers=2, decoder_layers=2, ffn_dim=192, dropout=0.0)
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def tokenizer_and_corpus(demo_pairs):
+    tokenizer = train_tokenizer(TokenizerConfig(vocab_size=400), demo_pairs["train"])
+    return tokenizer, encode_pairs(tokenizer, demo_pairs["train"][:600])
+
+
+def test_gradient_accumulation_equals_one_full_batch(tokenizer_and_corpus):
+    tokenizer, corpus = tokenizer_and_corpus
+    full, halves = build_model(MODEL, tokenizer), build_model(MODEL, tokenizer)
+    halves.load_state_dict(full.state_dict())
+    config = TrainConfig()
+    indices = epoch_batches(corpus, max_tokens=2048, seed=1, epoch=1)[0]
+    whole = make_batch(corpus, indices)
+    parts = [make_batch(corpus, indices[: len(indices) // 2]), make_batch(corpus, indices[len(indices) // 2 :])]
+    for model, batches in ((full, [whole]), (halves, parts)):
+        # Plain SGD: Adam would blow float noise in zero gradients (e.g. key biases) up to full-size steps.
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0, fused=True)
+        train_step(model, optimizer, build_scaler(CPU, "fp32"), batches, update_tokens=whole.num_tokens, lr=0.5,
+                   config=config)  # fmt: skip
+    for (name, a), b in zip(full.named_parameters(), halves.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=name)
+    untrained = build_model(MODEL, tokenizer)
+    assert not torch.equal(full.output_proj.weight, untrained.output_proj.weight)  # the update did move them
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_non_finite_update_is_reported_and_never_applied(tokenizer_and_corpus, monkeypatch, precision):
+    import seq2seq.train_step as step_module
+
+    tokenizer, corpus = tokenizer_and_corpus
+    model = build_model(MODEL, tokenizer)
+    config = TrainConfig(precision=precision)
+    optimizer, scaler = build_optimizer(model, config), build_scaler(CPU, precision)
+    batch = make_batch(corpus, epoch_batches(corpus, max_tokens=1024, seed=1, epoch=1)[0])
+
+    def step():
+        return train_step(model, optimizer, scaler, [batch], update_tokens=batch.num_tokens, lr=1e-3, config=config)
+
+    applied = step()
+    assert not applied.skipped and torch.isfinite(applied.grad_norm) and applied.loss_sum > 0
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    moments = {id(p): s["exp_avg"].clone() for p, s in optimizer.state.items()}
+    real_loss = step_module.label_smoothed_cross_entropy
+    monkeypatch.setattr(step_module, "label_smoothed_cross_entropy", lambda *a: real_loss(*a) * float("nan"))
+    skipped = step()
+    assert skipped.skipped and not torch.isfinite(skipped.grad_norm)
+    for name, param in model.named_parameters():
+        assert torch.equal(param, before[name]), name
+    assert all(torch.equal(s["exp_avg"], moments[id(p)]) for p, s in optimizer.state.items())
