@@ -78,11 +78,14 @@ class MultiHeadAttention(nn.Module):
         q = self.split_heads(self.q_proj(query))
         dropout = self.dropout if self.training else 0.0
         if q.device.type == "cpu" and q.dtype == torch.bfloat16:
-            # PyTorch's fused CPU kernel is ~3x slower in bf16 than this explicit path (fp32 scores, bf16
-            # probabilities @ v; measured fwd+bwd at 130 x 4 heads x 40 tokens); on GPU and in fp32 the
-            # fused kernel wins.
+            # PyTorch's fused CPU kernel is ~3x slower in bf16 than this explicit path (measured fwd+bwd
+            # at 130 x 4 heads x 40 tokens); on GPU and in fp32 the fused kernel wins. Both products run
+            # in fp32: a bf16 batched matmul makes oneDNN compile and keep a kernel (~1.5 MiB) for every
+            # (batch, length, length) shape it meets, and these change with every batch (README,
+            # Performance: memory); fp32 ones go to MKL, which keeps nothing, at no cost in step time.
             probs = F.dropout(_probabilities(q, k, mask, is_causal), dropout, training=dropout > 0)
-            out = probs.to(v.dtype) @ v
+            with torch.autocast(q.device.type, enabled=False):
+                out = (probs @ v.float()).to(v.dtype)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal)
         batch, heads, length, head_dim = out.shape

@@ -48,3 +48,19 @@ def test_bf16_logits_across_chunks_match_the_fp32_computation(monkeypatch):
     (grad_reference,) = torch.autograd.grad(reference, exact)
     torch.testing.assert_close(ours, reference)
     torch.testing.assert_close(grad_ours, grad_reference.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_logit_rows_past_the_targets_are_padding(monkeypatch, dtype):
+    """Batches round the output layer's rows up (batching.POSITION_MULTIPLE): the extra rows add nothing."""
+    monkeypatch.setattr(loss_module, "CHUNK_ROWS", 7)
+    logits = (torch.randn(32, 11) * 3).to(dtype).requires_grad_()
+    target = torch.randint(0, 11, (23,))
+    ours = label_smoothed_cross_entropy(logits, target, 0.1)
+    (grad,) = torch.autograd.grad(ours, logits)
+    real = logits.detach()[:23].to(torch.float64).requires_grad_()
+    reference = F.cross_entropy(real, target, label_smoothing=0.1, reduction="sum")
+    (grad_reference,) = torch.autograd.grad(reference, real)
+    torch.testing.assert_close(ours.double(), reference, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(grad[:23], grad_reference.to(dtype), rtol=1e-2, atol=1e-3)
+    assert torch.count_nonzero(grad[23:]) == 0

@@ -11,24 +11,33 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from seq2seq.data.encoded import EncodedCorpus
 from seq2seq.special_tokens import BOS_ID, EOS_ID, PAD_ID
+
+# The output layer projects the real target positions of a batch, a count that differs in nearly
+# every batch. On CPU, oneDNN compiles and caches a bf16 matmul kernel per shape (about 2 MiB each,
+# up to 1,024 of them): an ever-new count made a long bf16 run's memory grow by ~18 MiB a step until
+# that cache was full. Rounded up to this multiple, the counts repeat (a few dozen per corpus), at
+# a cost of at most 63 padding rows in the output layer.
+POSITION_MULTIPLE = 64
 
 
 @dataclass(frozen=True)
 class Batch:
     """Padded source ids and the teacher-forcing pair: tgt_in = BOS + y, tgt_out = y + EOS.
 
-    `target_positions` indexes the real (non-pad) positions of the flattened (B*T) target, and
-    `targets` holds their ids, so the output layer and the loss skip padding without a host sync.
+    `target_positions` indexes the real (non-pad) positions of the flattened (B*T) target, padded
+    with position 0 to a multiple of POSITION_MULTIPLE, and `targets` holds the ids of the real ones,
+    so the output layer and the loss skip padding without a host sync.
     """
 
     src: Tensor  # (B, S)
     tgt_in: Tensor  # (B, T)
     tgt_out: Tensor  # (B, T)
-    target_positions: Tensor  # (N,) flat indices of real target positions
+    target_positions: Tensor  # (R,) flat indices of the real target positions, then padding; R >= N
     targets: Tensor  # (N,) their ids
     num_tokens: int  # N: real target tokens (EOS included); the loss is normalised by this
 
@@ -52,7 +61,9 @@ def collate(src: Sequence[np.ndarray], tgt: Sequence[np.ndarray]) -> Batch:
     tgt_in = pad([np.concatenate([[BOS_ID], t]) for t in tgt])
     tgt_out = pad([np.concatenate([t, [EOS_ID]]) for t in tgt])
     positions = (tgt_out.flatten() != PAD_ID).nonzero().squeeze(1)
-    return Batch(pad(src), tgt_in, tgt_out, positions, tgt_out.flatten()[positions], len(positions))
+    targets = tgt_out.flatten()[positions]
+    padded = F.pad(positions, (0, -len(positions) % POSITION_MULTIPLE))  # pointing at position 0
+    return Batch(pad(src), tgt_in, tgt_out, padded, targets, len(targets))
 
 
 def token_batches(lengths: np.ndarray, *, max_tokens: int, order_noise: np.ndarray | None = None) -> list[np.ndarray]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from seq2seq.data.batching import collate, epoch_batches, padding_fraction, token_batches
+from seq2seq.data.batching import POSITION_MULTIPLE, collate, epoch_batches, padding_fraction, token_batches
 from seq2seq.data.encoded import EncodedCorpus, RaggedIds
 from seq2seq.special_tokens import BOS_ID, EOS_ID, PAD_ID
 
@@ -38,3 +38,10 @@ def test_epoch_batches_are_deterministic_per_seed_and_epoch_and_low_padding(demo
     assert padding_fraction(corpus, one_batch_per_sentence) == 0.0
     random_batches = np.array_split(np.random.default_rng(2).permutation(len(corpus)), 40)
     assert padding_fraction(corpus, random_batches) > 0.3
+
+
+def test_batches_round_the_output_rows_up_and_keep_the_real_targets():
+    batch = collate([np.array([5, EOS_ID])] * 3, [np.array([6, 7, 8])] * 3)
+    assert batch.num_tokens == len(batch.targets) == 12  # 3 x (3 + EOS)
+    assert len(batch.target_positions) == POSITION_MULTIPLE
+    assert batch.target_positions[:12].tolist() == list(range(12)) and batch.targets.tolist() == [6, 7, 8, 3] * 3

@@ -1,0 +1,49 @@
+"""Long bf16 runs on CPU keep flat memory: once the shapes of a corpus's batches were seen, training
+compiles no new oneDNN kernels (each is kept in a per-shape cache) and RSS stops growing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from seq2seq.config import ModelConfig, TokenizerConfig, TrainConfig
+from seq2seq.data.batching import epoch_batches, make_batch
+from seq2seq.data.encoded import encode_pairs
+from seq2seq.model import build_model
+from seq2seq.run_log import current_rss_mb
+from seq2seq.tokenizer import train_tokenizer
+from seq2seq.train_step import build_optimizer, build_scaler, train_step
+
+MODEL = ModelConfig(d_model=64, heads=4, encoder_layers=1, decoder_layers=1, ffn_dim=128)
+CPU = torch.device("cpu")
+
+pytestmark = pytest.mark.skipif(
+    not torch.backends.mkldnn.is_available() or current_rss_mb() is None,
+    reason="needs oneDNN (PyTorch's CPU build) and /proc for RSS",
+)
+
+
+def test_bf16_training_memory_is_flat_once_the_batch_shapes_were_seen(demo_pairs, capfd):
+    tokenizer = train_tokenizer(TokenizerConfig(vocab_size=400), demo_pairs["train"][:1500])
+    corpus = encode_pairs(tokenizer, demo_pairs["train"][:1500])
+    config = TrainConfig(precision="bf16")
+    model = build_model(MODEL, tokenizer)
+    optimizer, scaler = build_optimizer(model, config), build_scaler(CPU, "bf16")
+
+    def train_epoch(epoch: int) -> int:
+        batches = epoch_batches(corpus, max_tokens=1024, seed=1, epoch=epoch)
+        for indices in batches:
+            batch = make_batch(corpus, indices)
+            train_step(model, optimizer, scaler, [batch], update_tokens=batch.num_tokens, lr=1e-4, config=config)
+        return len(batches)
+
+    for epoch in (1, 2):  # every shape of this corpus's batches is met once
+        train_epoch(epoch)
+    capfd.readouterr()
+    rss_before = current_rss_mb()
+    with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON_CREATION):
+        steps = sum(train_epoch(epoch) for epoch in (3, 4, 5))
+    growth = current_rss_mb() - rss_before
+    created = capfd.readouterr().out.count("create:cache_miss")
+    assert created <= steps // 10, f"{created} new oneDNN kernels in {steps} steps"
+    assert growth < 32, f"RSS grew by {growth:.0f} MiB in {steps} steps"
