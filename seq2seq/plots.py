@@ -19,7 +19,7 @@ from seq2seq.tokenizer import Tokenizer  # noqa: E402
 
 
 def plot_training_curves(run_dir: str | Path) -> list[Path]:
-    """RUN_DIR/plots/{loss,bleu,lr}.png from RUN_DIR/metrics.jsonl."""
+    """RUN_DIR/plots/{loss,bleu,lr,memory}.png from RUN_DIR/metrics.jsonl."""
     run_dir = Path(run_dir)
     records = MetricsLog(run_dir / "metrics.jsonl").read()
     if not records:
@@ -32,11 +32,18 @@ def plot_training_curves(run_dir: str | Path) -> list[Path]:
         "loss": [("train loss (label-smoothed)", train, "loss"), ("valid loss (NLL)", valid, "loss")],
         "bleu": [("valid BLEU", valid, "bleu"), ("valid chrF", valid, "chrf")],
         "lr": [("learning rate", train, "lr")],
+        "memory": [
+            ("RSS (MiB)", train, "rss_mb"),
+            ("peak (MiB)", train, "peak_memory_mb"),
+            ("CUDA allocated (MiB)", train, "cuda_allocated_mb"),
+            ("CUDA reserved (MiB)", train, "cuda_reserved_mb"),
+        ],
     }
     written = []
     for name, series in figures.items():
         fig, ax = plt.subplots(figsize=(7, 4))
         for label, rows, key in series:
+            rows = [r for r in rows if key in r]  # runs logged before a figure existed lack it
             if rows:
                 ax.plot(
                     [r["step"] for r in rows],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import resource
 import time
 from pathlib import Path
@@ -53,3 +54,25 @@ def peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def current_rss_mb() -> float | None:
+    """The process's resident set size now (Linux; None where /proc is missing)."""
+    try:
+        with open("/proc/self/statm") as handle:
+            return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:
+        return None
+
+
+def memory_figures(device: torch.device) -> dict[str, float]:
+    """What metrics.jsonl logs about memory: the peak, the RSS now and, on CUDA, the caching
+    allocator's allocated and reserved memory now (a growing reserved figure is fragmentation)."""
+    figures = {"peak_memory_mb": peak_memory_mb(device)}
+    rss = current_rss_mb()
+    if rss is not None:
+        figures["rss_mb"] = rss
+    if device.type == "cuda":
+        figures["cuda_allocated_mb"] = torch.cuda.memory_allocated(device) / 2**20
+        figures["cuda_reserved_mb"] = torch.cuda.memory_reserved(device) / 2**20
+    return figures

@@ -24,7 +24,7 @@ from seq2seq.distributed import setup_distributed
 from seq2seq.errors import UserInputError
 from seq2seq.model import build_model
 from seq2seq.run_dir import RunDir, prepare_run
-from seq2seq.run_log import MetricsLog, peak_memory_mb
+from seq2seq.run_log import MetricsLog, memory_figures
 from seq2seq.schedule import learning_rate
 from seq2seq.train_step import StepResult, autocast, build_optimizer, build_scaler, train_step
 from seq2seq.validation import ValidationResult, validate
@@ -199,7 +199,7 @@ class Trainer:
             grad_norm=float(self.last_step.grad_norm),
             tokens_per_second=tokens_per_second,
             skipped_steps=self.progress.skipped_steps,
-            peak_memory_mb=peak_memory_mb(self.device),
+            **memory_figures(self.device),
         )
 
     def evaluate_valid(self) -> ValidationResult:
