@@ -6,23 +6,32 @@ each in its own process (so peak memory is its own). The reference is what a car
 by hand: nn.Transformer with embeddings, sinusoidal positions, padding and causal masks,
 label-smoothed nn.CrossEntropyLoss, Adam and clipping, in fp32. Tokens/s count real (non-pad)
 target tokens; MFU divides the model's matmul FLOPs per second by the device's matmul rate,
-measured here for each precision. Runs on the GPU when there is one (peak memory is then the
-GPU's), else on the CPU (peak RSS).
+measured here for each precision. Runs on the GPU when there is one (memory is then the GPU
+caching allocator's), else on the CPU (RSS).
+
+Batches are built inside the timed loop, as in a real run, epoch after epoch for as many steps as
+asked: with --steps 2000 it is a long run that shows steady state. Memory is sampled every
+--memory-every steps; the script prints the samples and how much memory grew after the first tenth
+of the run, and --plot writes them as a PNG.
 
     python scripts/benchmark_train.py [--config configs/bible_en_es.yaml] [--steps 20]
+    python scripts/benchmark_train.py --steps 2000 --reference-steps 300 --plot memory.png   # a long run
     python scripts/benchmark_train.py --model base --max-tokens 16000 --sides "ours bf16"   # on a GPU
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import multiprocessing
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -32,7 +41,7 @@ from seq2seq.data.encoded import EncodedCorpus
 from seq2seq.data.prepare import encode_training_split, stream_split
 from seq2seq.errors import UserInputError
 from seq2seq.model import build_model, sinusoidal_positions
-from seq2seq.run_log import peak_memory_mb
+from seq2seq.run_log import current_rss_mb, peak_memory_mb
 from seq2seq.special_tokens import PAD_ID
 from seq2seq.tokenizer import Tokenizer, load_or_train_tokenizer
 from seq2seq.train_step import build_optimizer, build_scaler, train_step
@@ -118,27 +127,50 @@ def prepare(args, precision: str = "fp32") -> tuple[Config, Tokenizer, EncodedCo
     return config, tokenizer, encode_training_split(config.data, tokenizer)
 
 
-def timed_steps(args, step, batches, flops_of) -> tuple[float, float]:
-    """(target tokens/s, model FLOP/s) over args.steps steps after args.warmup untimed ones."""
-    for batch in batches[: args.warmup]:
-        step(batch)
-    timed = batches[args.warmup : args.warmup + args.steps]
-    tokens, flops = sum(batch.num_tokens for batch in timed), sum(flops_of(batch) for batch in timed)
+@dataclass(frozen=True)
+class Timing:
+    tokens_per_second: float
+    flops_per_second: float
+    memory: list[tuple[int, float]]  # (step, MiB): RSS on CPU, reserved by the caching allocator on a GPU
+
+
+def memory_now_mb() -> float:
+    return torch.cuda.memory_reserved() / 2**20 if DEVICE.type == "cuda" else current_rss_mb()
+
+
+def training_order(corpus: EncodedCorpus, max_tokens: int, count: int) -> list[np.ndarray]:
+    """The first `count` batches (index arrays) of a run: epoch 1's seeded order, then epoch 2's, ..."""
+    order: list[np.ndarray] = []
+    for epoch in itertools.count(1):
+        order += epoch_batches(corpus, max_tokens=max_tokens, seed=1, epoch=epoch)
+        if len(order) >= count:
+            return order[:count]
+
+
+def timed_steps(args, steps: int, step, corpus: EncodedCorpus, flops_of) -> Timing:
+    """Tokens/s and model FLOP/s over `steps` steps after args.warmup untimed ones, with memory samples."""
+    order = training_order(corpus, args.max_tokens, args.warmup + steps)
+    for indices in order[: args.warmup]:
+        step(make_batch(corpus, indices))
+    tokens, flops, memory = 0, 0.0, []
     synchronize()
     start = time.perf_counter()
-    for batch in timed:
+    for number, indices in enumerate(order[args.warmup :], start=1):
+        batch = make_batch(corpus, indices)
+        tokens, flops = tokens + batch.num_tokens, flops + flops_of(batch)
         step(batch)
+        if number % args.memory_every == 0 or number == steps:
+            memory.append((number, memory_now_mb()))
     synchronize()
     seconds = time.perf_counter() - start
-    return tokens / seconds, flops / seconds
+    return Timing(tokens / seconds, flops / seconds, memory)
 
 
 def run_side(args, side: str, queue) -> None:
     torch.set_num_threads(args.threads)
     config, tokenizer, corpus = prepare(args, "bf16" if side == "ours bf16" else "fp32")
     cfg, vocab = config.model, tokenizer.tgt_vocab_size
-    order = epoch_batches(corpus, max_tokens=args.max_tokens, seed=1, epoch=1)[: args.warmup + args.steps]
-    batches = [make_batch(corpus, indices) for indices in order]  # built before timing, for every side alike
+    steps = args.reference_steps if side.startswith("reference") and args.reference_steps else args.steps
 
     def flops_of(batch):
         return step_flops(batch, cfg.d_model, cfg.ffn_dim, cfg.encoder_layers, vocab)
@@ -153,7 +185,7 @@ def run_side(args, side: str, queue) -> None:
             train_step(model, optimizer, scaler, [batch], update_tokens=batch.num_tokens, lr=1e-4,
                        config=config.train, forward=forward)  # fmt: skip
 
-        rate, flops = timed_steps(args, our_step, batches, flops_of)
+        timing = timed_steps(args, steps, our_step, corpus, flops_of)
     else:
         torch.manual_seed(1)
         model = ReferenceModel(vocab, cfg.d_model, cfg.heads, cfg.encoder_layers, cfg.ffn_dim, cfg.dropout)
@@ -170,8 +202,9 @@ def run_side(args, side: str, queue) -> None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
 
-        rate, flops = timed_steps(args, reference_step, batches, flops_of)
-    queue.put((side, rate, flops, padding_fraction(corpus, order), peak_memory_mb(DEVICE)))
+        timing = timed_steps(args, steps, reference_step, corpus, flops_of)
+    padding = padding_fraction(corpus, training_order(corpus, args.max_tokens, args.warmup + steps))
+    queue.put((side, steps, timing, padding, peak_memory_mb(DEVICE)))
 
 
 def main() -> int:
@@ -181,10 +214,13 @@ def main() -> int:
     parser.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
     parser.add_argument("--compile", action="store_true", help="our sides under torch.compile")
     parser.add_argument("--set", action="append", default=[], help="extra config override (repeatable)")
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per side")
+    parser.add_argument("--reference-steps", type=int, default=0, help="timed steps of the reference (0: --steps)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=4000)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--memory-every", type=int, default=100, help="steps between memory samples")
+    parser.add_argument("--plot", type=Path, help="write memory over steps, per side, as this PNG")
     args = parser.parse_args()
     try:
         load_config(args.config)
@@ -199,27 +235,68 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as work:
         args.work = work
         prepare(args)  # tokenizer and encoding cache, once, before anything is timed
+        preparation_peak = peak_memory_mb(torch.device("cpu"))
         for side in args.sides:
             queue = context.Queue()
             process = context.Process(target=run_side, args=(args, side, queue))
             process.start()
             results[side] = queue.get()[1:]
             process.join()
+    report(args, rates, results, preparation_peak)
+    return 0
+
+
+def report(args, rates: dict[str, float], results: dict, preparation_peak: float) -> None:
     device = torch.cuda.get_device_name() if DEVICE.type == "cuda" else f"CPU, {args.threads} threads"
     print(f"config {args.config} + {' '.join(MODELS[args.model])}{' (compiled)' if args.compile else ''}")
-    print(f"{device}; {args.max_tokens} tokens/batch (the same batches for every side), {args.steps} timed steps")
+    print(f"{device}; {args.max_tokens} tokens/batch (the same batches for every side, epoch after epoch)")
     print(f"matmul rate here: fp32 {rates['fp32'] / 1e9:,.0f} GFLOP/s, bf16 {rates['bf16'] / 1e9:,.0f} GFLOP/s")
-    memory = "peak GPU memory" if DEVICE.type == "cuda" else "peak RSS"
-    print(f"\n| trainer | target tokens/s | MFU | padding | {memory} |\n|---|---|---|---|---|")
-    for side, (rate, flops, padding, peak) in results.items():
-        mfu = flops / rates["bf16" if "bf16" in side else "fp32"]
-        print(f"| {side} | {rate:,.0f} | {mfu:.0%} | {padding:.1%} | {peak:,.0f} MiB |")
+    print(f"tokenizer training and encoding (before the sides, in the main process): peak RSS "
+          f"{preparation_peak:,.0f} MiB")  # fmt: skip
+    memory = "GPU reserved" if DEVICE.type == "cuda" else "RSS"
+    print(f"\n| trainer | steps | target tokens/s (whole run) | MFU | padding | peak {memory} | {memory} at 10% "
+          f"of the run -> end |\n|---|---|---|---|---|---|---|")  # fmt: skip
+    for side, (steps, timing, padding, peak) in results.items():
+        mfu = timing.flops_per_second / rates["bf16" if "bf16" in side else "fp32"]
+        early, last = early_sample(timing.memory, steps), timing.memory[-1]
+        growth = f"{early[1]:,.0f} (step {early[0]}) -> {last[1]:,.0f} MiB ({last[1] / early[1] - 1:+.1%})"
+        print(f"| {side} | {steps} | {timing.tokens_per_second:,.0f} | {mfu:.0%} | {padding:.1%} | {peak:,.0f} MiB "
+              f"| {growth} |")  # fmt: skip
+    print()
+    for side, (_, timing, _, _) in results.items():
+        print(f"{side}, {memory} MiB at steps: " + ", ".join(f"{step}: {mib:,.0f}" for step, mib in timing.memory))
     if "reference fp32" in results:
-        reference = results["reference fp32"][0]
+        reference = results["reference fp32"][1].tokens_per_second
         for side, target in (("ours fp32", 1.2), ("ours bf16", 1.5)):
             if side in results:
-                print(f"{side} / reference: {results[side][0] / reference:.2f}x (target >= {target}x)")
-    return 0
+                ratio = results[side][1].tokens_per_second / reference
+                print(f"{side} / reference: {ratio:.2f}x (target >= {target}x)")
+    if args.plot:
+        plot_memory(args.plot, results, memory)
+        print(f"memory over steps: {args.plot}")
+
+
+def early_sample(samples: list[tuple[int, float]], steps: int) -> tuple[int, float]:
+    """The first sample at or after a tenth of the run (the issue's step 200 of 2,000)."""
+    return next(sample for sample in samples if sample[0] >= steps // 10)
+
+
+def plot_memory(path: Path, results: dict, memory: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for side, (_, timing, _, _) in results.items():
+        ax.plot(*zip(*timing.memory), marker=".", label=side)
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"{memory} (MiB)")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
