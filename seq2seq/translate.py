@@ -4,6 +4,7 @@ and `translate_file`, the whole of `seq2seq translate` (checkpoint in, text or n
 from __future__ import annotations
 
 import contextlib
+import itertools
 import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -16,9 +17,13 @@ from tqdm import tqdm
 from seq2seq.checkpoint import load_for_inference
 from seq2seq.config import DecodeConfig, decode_config_with
 from seq2seq.data.batching import pad, token_batches
-from seq2seq.data.sources import decode_lines, normalize, read_lines
+from seq2seq.data.sources import chunked, decode_lines, normalize, read_lines
 from seq2seq.search import search
 from seq2seq.tokenizer import Tokenizer
+
+# A file is read, translated and written this many lines at a time, so memory stays flat however
+# long it is; within a chunk, lines are sorted by length into batches.
+FILE_CHUNK_LINES = 10_000
 
 
 @dataclass(frozen=True)
@@ -81,12 +86,15 @@ def translate_file(
     bundle = load_for_inference(checkpoint, device)
     decode = decode_config_with(bundle.config.decode, decode_overrides)
     lines_in = decode_lines(sys.stdin.buffer, "<stdin>") if source == "-" else read_lines(source)
-    lines: list[str] = []
+    first_lines: list[str] = []
     if stream:
         results = translate_stream(bundle.model, bundle.tokenizer, lines_in, decode)
     else:
-        lines = list(lines_in)
-        results = translate_lines(bundle.model, bundle.tokenizer, lines, decode, progress=source != "-")
+        chunks = chunked(lines_in, FILE_CHUNK_LINES)
+        first_lines = next(chunks, [])
+        chunks = itertools.chain([first_lines], chunks)
+        bar = tqdm(desc="translate", unit="sent", disable=source == "-")
+        results = (result for chunk in chunks for result in _translate_chunk(bundle, chunk, decode, bar))
     with contextlib.nullcontext(sys.stdout) if output == "-" else open(output, "w", encoding="utf-8") as sink:
         for index, result in enumerate(results):
             if decode.nbest > 1:
@@ -95,8 +103,14 @@ def translate_file(
                 sink.write(result.text + "\n")
             if stream:
                 sink.flush()
-    if attention_plot is None or not lines:
+    if attention_plot is None or not first_lines:
         return []
     from seq2seq.plots import plot_attention  # matplotlib only when asked for
 
-    return plot_attention(bundle.model, bundle.tokenizer, lines[:5], attention_plot)
+    return plot_attention(bundle.model, bundle.tokenizer, first_lines[:5], attention_plot)
+
+
+def _translate_chunk(bundle, lines: list[str], decode: DecodeConfig, bar: tqdm) -> list[Translation]:
+    results = translate_lines(bundle.model, bundle.tokenizer, lines, decode)
+    bar.update(len(lines))
+    return results

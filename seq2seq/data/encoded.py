@@ -7,20 +7,18 @@ so a corpus of any size is written without ever being whole in memory.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
 
 import numpy as np
 
+from seq2seq.data.sources import chunked
 from seq2seq.tokenizer import Tokenizer
 
 ENCODE_CHUNK = 50_000  # sentences per tokenizer call: bounds the temporary Python lists
 ID_DTYPE = np.dtype("<i4")
 SIDES = ("src", "tgt")
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -126,7 +124,7 @@ class FilterReport:
 def encode_chunks(tokenizer: Tokenizer, pairs: Iterable[tuple[str, str]]) -> Iterator[EncodedCorpus]:
     """Encode a stream of pairs chunk by chunk with all cores (SentencePiece threads); only one chunk
     of text is held in memory at a time."""
-    for chunk in _chunks(pairs, ENCODE_CHUNK):
+    for chunk in chunked(pairs, ENCODE_CHUNK):
         src, tgt = zip(*chunk)
         yield EncodedCorpus(
             RaggedIds.from_lists(tokenizer.encode_src(list(src))), RaggedIds.from_lists(tokenizer.encode_tgt(list(tgt)))
@@ -136,12 +134,6 @@ def encode_chunks(tokenizer: Tokenizer, pairs: Iterable[tuple[str, str]]) -> Ite
 def encode_pairs(tokenizer: Tokenizer, pairs: Iterable[tuple[str, str]]) -> EncodedCorpus:
     """A small corpus (validation, tests), encoded into memory."""
     return EncodedCorpus.concatenate(list(encode_chunks(tokenizer, pairs)))
-
-
-def _chunks(items: Iterable[T], size: int) -> Iterator[list[T]]:
-    iterator = iter(items)
-    while chunk := list(itertools.islice(iterator, size)):
-        yield chunk
 
 
 def length_filter(corpus: EncodedCorpus, *, max_length: int, max_ratio: float) -> tuple[np.ndarray, FilterReport]:

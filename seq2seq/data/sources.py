@@ -10,13 +10,15 @@ import gzip
 import itertools
 import json
 import unicodedata
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, TypeVar
 
 from seq2seq.config import CorpusConfig
 from seq2seq.errors import UserInputError
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -102,6 +104,13 @@ def decode_lines(handle: BinaryIO, name: str) -> Iterator[str]:
         except UnicodeDecodeError as exc:
             raise UserInputError(f"{name}:{number}: not valid UTF-8 (bad byte at column {exc.start + 1})") from None
         yield normalize(text)
+
+
+def chunked(items: Iterable[T], size: int) -> Iterator[list[T]]:
+    """Lists of `size` consecutive items (the last one shorter): streams processed a chunk at a time."""
+    iterator = iter(items)
+    while chunk := list(itertools.islice(iterator, size)):
+        yield chunk
 
 
 def normalize(text: str) -> str:
