@@ -20,11 +20,11 @@ import sys
 import time
 from pathlib import Path
 
-from seq2seq.checkpoint import load_for_inference
 from seq2seq.config import Config, load_config
 from seq2seq.data.prepare import read_split
 from seq2seq.evaluate import Scores, translate_and_score
 from seq2seq.train import Trainer
+from seq2seq.translator import Translator
 
 PRECISIONS = ("fp32", "bf16")
 
@@ -38,9 +38,9 @@ def train_and_score(config: Config, run_dir: Path) -> tuple[Scores, float, int, 
     result = trainer.run()
     seconds = time.perf_counter() - start
     valid_loss = [record["loss"] for record in trainer.metrics.read() if record["kind"] == "valid"][-1]
-    bundle = load_for_inference(result.last_checkpoint)
+    translator = Translator.load(result.last_checkpoint)
     test = read_split(config.data, "test")
-    evaluation = translate_and_score(bundle.model, bundle.tokenizer, test.src, test.tgt, config.decode)
+    evaluation = translate_and_score(translator, test.src, test.tgt, config.decode)
     return evaluation.scores, valid_loss, result.progress.step, seconds
 
 

@@ -1,3 +1,15 @@
-"""seq2seq: train and use encoder-decoder Transformer translation models."""
+"""seq2seq: train and use encoder-decoder Transformer translation models.
+
+`from seq2seq import Translator` is the Python API (translator.py); it is imported on first use, so
+`import seq2seq` stays cheap.
+"""
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name == "Translator":
+        from seq2seq.translator import Translator
+
+        return Translator
+    raise AttributeError(f"module 'seq2seq' has no attribute {name!r}")

@@ -150,11 +150,13 @@ def _launch_torchrun(nproc: int, config: Path, overrides: list[str], run_dir: Pa
     return subprocess.run(command, check=False).returncode
 
 
-CheckpointOption = Annotated[Path, typer.Option("--checkpoint", "-c", help="A checkpoint (.pt) from training.")]
+CheckpointOption = Annotated[
+    Path, typer.Option("--checkpoint", "-c", help="A checkpoint (.pt), or a directory from `seq2seq export`.")
+]
 BeamOption = Annotated[
     Optional[int],  # noqa: UP045
     typer.Option(
-        "--beam", min=1, help="Beam size (1 = greedy) [default: the checkpoint's decode.beam].", show_default=False
+        "--beam", min=1, help="Beam size (1 = greedy) [default: the model's decode.beam].", show_default=False
     ),
 ]
 
@@ -189,10 +191,10 @@ def translate(
       seq2seq translate -c runs/demo/checkpoints/last.pt -i test.en -o test.out --beam 5
       echo "the cat sleeps" | seq2seq translate -c runs/demo/checkpoints/best.pt
     """
-    from seq2seq.translate import translate_file
+    from seq2seq.translator import translate_file
 
     written = translate_file(checkpoint, source=input, output=output, decode_overrides=_decode_overrides(
-        overrides, beam, nbest), stream=stream, device=_device(), attention_plot=attention_plot)  # fmt: skip
+        overrides, beam, nbest), stream=stream, attention_plot=attention_plot)  # fmt: skip
     if written:
         typer.echo(f"attention plots: {', '.join(map(str, written))}", err=True)
 
@@ -218,7 +220,7 @@ def evaluate(
     from seq2seq.evaluate import evaluate_files
 
     evaluation = evaluate_files(checkpoint, src=src, ref=ref, decode_overrides=_decode_overrides(None, beam, None),
-                                device=_device(), hypotheses_path=hypotheses_path, json_path=json_path)  # fmt: skip
+                                hypotheses_path=hypotheses_path, json_path=json_path)  # fmt: skip
     typer.echo(evaluation.scores.describe())
 
 
@@ -237,6 +239,83 @@ def demo(
     from seq2seq.demo import run_demo
 
     run_demo(config, overrides or [], run_dir, show_progress=not quiet, echo=typer.echo)
+
+
+@app.command()
+@user_errors
+def export(
+    checkpoint: Annotated[Path, typer.Argument(help="The checkpoint to export.", show_default=False)],
+    output: Annotated[Path, typer.Option("--output", "-o", help="The model directory to write (must not exist).")],
+    format: Annotated[str, typer.Option("--format", help="Only ctranslate2 for now.")] = "ctranslate2",
+    quantization: Annotated[
+        str, typer.Option("--quantization", help="float32, int8, int8_float32, int16, float16 or bfloat16.")
+    ] = "float32",
+    check_src: Annotated[
+        Optional[Path],  # noqa: UP045
+        typer.Option("--check-src", help="Parity-gate sources [default: the validation split].", show_default=False),
+    ] = None,
+    check_ref: Annotated[
+        Optional[Path],  # noqa: UP045
+        typer.Option("--check-ref", help="References of --check-src.", show_default=False),
+    ] = None,
+    check_lines: Annotated[int, typer.Option("--check-lines", min=1, help="Sentences the gate decodes.")] = 500,
+    max_bleu_drop: Annotated[
+        float, typer.Option("--max-bleu-drop", min=0.0, help="Quantized exports: the BLEU the gate lets go.")
+    ] = 1.0,
+) -> None:
+    """Export a checkpoint as a CTranslate2 model, through a parity gate that decodes with both.
+
+    Nothing is written unless the exported model translates like the checkpoint (float32: greedy
+    outputs identical on >= 99% of sentences and beam BLEU within 0.2; quantized: BLEU drop at most
+    --max-bleu-drop); then it exits 1.
+
+    Examples:
+      seq2seq export runs/demo/checkpoints/best.pt -o models/demo-ct2
+      seq2seq export runs/bible/checkpoints/best.pt -o models/bible-int8 --quantization int8
+    """
+    from seq2seq.export import ExportFailed, export_checkpoint
+
+    if format != "ctranslate2":
+        raise UserInputError(f"--format {format}: expected ctranslate2 (the only format for now)")
+    try:
+        report = export_checkpoint(
+            checkpoint, output, quantization=quantization, check_src=check_src, check_ref=check_ref,
+            check_lines=check_lines, max_bleu_drop=max_bleu_drop,
+        )  # fmt: skip
+    except ExportFailed as failure:
+        for line in str(failure).splitlines():
+            typer.echo(f"error: {line}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(report.describe())
+    typer.echo(f"exported -> {output}")
+
+
+@app.command()
+@user_errors
+def serve(
+    model: Annotated[Path, typer.Argument(help="A checkpoint (.pt) or an exported directory.", show_default=False)],
+    host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", min=1, max=65535, help="Port to listen on.")] = 8000,
+    max_lines: Annotated[int, typer.Option("--max-lines", min=1, help="Lines per request.")] = 64,
+    max_chars: Annotated[int, typer.Option("--max-chars", min=1, help="Characters per line.")] = 2000,
+    batch_wait_ms: Annotated[
+        float, typer.Option("--batch-wait-ms", min=0.0, help="How long to wait for requests to batch with.")
+    ] = 5.0,
+) -> None:
+    """Serve a model over HTTP: POST /translate {"lines": [...]} and GET /health.
+
+    Examples:
+      seq2seq serve models/bible-int8 --port 8000
+      curl -s localhost:8000/translate -H 'content-type: application/json' -d '{"lines": ["the cat sleeps"], "beam": 5}'
+    """
+    from seq2seq.serve import Limits
+    from seq2seq.serve import serve as serve_model
+
+    if not model.exists():
+        raise UserInputError(f"{model}: no such checkpoint or exported model")
+    limits = Limits(max_lines=max_lines, max_chars=max_chars, batch_wait=batch_wait_ms / 1000)
+    typer.echo(f"serving {model} on http://{host}:{port} (POST /translate, GET /health); Ctrl-C stops", err=True)
+    serve_model(model, host=host, port=port, limits=limits)
 
 
 @app.command()
@@ -266,12 +345,6 @@ def plot(run_dir: Annotated[Path, typer.Argument(help="A run directory with metr
 
     for path in plot_training_curves(run_dir):
         typer.echo(str(path))
-
-
-def _device():
-    import torch
-
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def main() -> None:

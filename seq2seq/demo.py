@@ -7,13 +7,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from seq2seq.checkpoint import load_for_inference
 from seq2seq.config import load_config
 from seq2seq.data.prepare import read_split
 from seq2seq.demo_data import write_demo_corpus
 from seq2seq.evaluate import Scores, translate_and_score
 from seq2seq.plots import plot_training_curves
 from seq2seq.train import Trainer
+from seq2seq.translator import Translator
 
 DEMO_DATA_DIR = Path("data/demo")  # configs/demo.yaml reads its files from here
 
@@ -29,9 +29,9 @@ def run_demo(
     shutil.rmtree(run_dir, ignore_errors=True)
     result = Trainer(config, run_dir, show_progress=show_progress).run()
     best = result.last_checkpoint.with_name("best.pt")
-    bundle = load_for_inference(best if best.exists() else result.last_checkpoint)
+    translator = Translator.load(best if best.exists() else result.last_checkpoint)
     test = read_split(config.data, "test")
-    evaluation = translate_and_score(bundle.model, bundle.tokenizer, test.src, test.tgt, config.decode,
+    evaluation = translate_and_score(translator, test.src, test.tgt, config.decode,
                                      progress=show_progress)  # fmt: skip
     echo("\nsample translations (test split):")
     for src, ref, hyp in list(zip(test.src, test.tgt, evaluation.hypotheses))[:5]:

@@ -12,15 +12,12 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
 from sacrebleu.metrics import BLEU, CHRF
 
-from seq2seq.checkpoint import load_for_inference
-from seq2seq.config import DecodeConfig, decode_config_with
+from seq2seq.config import DecodeConfig
 from seq2seq.data.sources import read_lines
 from seq2seq.errors import UserInputError
-from seq2seq.tokenizer import Tokenizer
-from seq2seq.translate import translate_lines
+from seq2seq.translator import Translator
 
 
 @dataclass(frozen=True)
@@ -59,43 +56,43 @@ def score(hypotheses: list[str], references: list[str]) -> Scores:
 
 
 def translate_and_score(
-    model: torch.nn.Module,
-    tokenizer: Tokenizer,
+    translator: Translator,
     sources: list[str],
     references: list[str],
-    decode: DecodeConfig,
+    decode: DecodeConfig | None = None,
     *,
     progress: bool = False,
 ) -> Evaluation:
-    """Translate `sources` (best hypothesis only) and score them against `references`."""
+    """Translate `sources` (best hypothesis only; settings: `decode`, else the model's) and score them."""
     if len(sources) != len(references):
         raise UserInputError(f"{len(sources)} sources but {len(references)} references; expected equal counts")
-    decode = dataclasses.replace(decode, nbest=1)
-    hypotheses = [t.text for t in translate_lines(model, tokenizer, sources, decode, progress=progress)]
+    decode = dataclasses.replace(decode or translator.decode, nbest=1)
+    hypotheses = [t.text for t in translator.translate_with(sources, decode, progress=progress)]
     return Evaluation(hypotheses, score(hypotheses, references))
 
 
 def evaluate_files(
-    checkpoint: Path,
+    model: Path,
     *,
     src: Path,
     ref: Path,
     decode_overrides: list[str],
-    device: torch.device,
+    device: str | None = None,
     hypotheses_path: Path | None = None,
     json_path: Path | None = None,
 ) -> Evaluation:
-    """`seq2seq eval`: translate the file `src` with a checkpoint, score against `ref`, write the reports."""
+    """`seq2seq eval`: translate the file `src` with a checkpoint or exported model, score against `ref`,
+    write the reports."""
     sources, references = list(read_lines(src)), list(read_lines(ref))
     if len(sources) != len(references):
         raise UserInputError(f"{src} has {len(sources)} lines but {ref} has {len(references)}; expected equal counts")
-    bundle = load_for_inference(checkpoint, device)
-    decode = decode_config_with(bundle.config.decode, [*decode_overrides, "decode.nbest=1"])
-    evaluation = translate_and_score(bundle.model, bundle.tokenizer, sources, references, decode, progress=True)
+    translator = Translator.load(model, device=device)
+    decode = translator.settings(decode_overrides)
+    evaluation = translate_and_score(translator, sources, references, decode, progress=True)
     if hypotheses_path:
         hypotheses_path.write_text("".join(h + "\n" for h in evaluation.hypotheses), encoding="utf-8")
     if json_path:
-        report = {**evaluation.scores.to_dict(), "checkpoint": str(checkpoint), "src": str(src), "ref": str(ref),
-                  "beam": decode.beam}  # fmt: skip
+        report = {**evaluation.scores.to_dict(), "model": str(model), "engine": translator.engine, "src": str(src),
+                  "ref": str(ref), "beam": decode.beam}  # fmt: skip
         json_path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     return evaluation

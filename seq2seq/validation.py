@@ -15,6 +15,7 @@ from seq2seq.data.prepare import TrainingData
 from seq2seq.evaluate import Scores, translate_and_score
 from seq2seq.loss import label_smoothed_cross_entropy
 from seq2seq.tokenizer import Tokenizer
+from seq2seq.translator import Translator
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,6 @@ def validate(
     # Translated in fp32, as `seq2seq translate` does, so the BLEU printed is the one users will get
     # (and search's ever-changing row counts stay out of oneDNN's per-shape bf16 kernel cache).
     count = min(train.valid_max_sentences, len(data.valid_text))
-    evaluation = translate_and_score(model, tokenizer, data.valid_text.src[:count], data.valid_text.tgt[:count],
-                                     dataclasses.replace(decode, beam=train.valid_beam))  # fmt: skip
+    translator = Translator.from_model(model, tokenizer, dataclasses.replace(decode, beam=train.valid_beam))
+    evaluation = translate_and_score(translator, data.valid_text.src[:count], data.valid_text.tgt[:count])
     return ValidationResult(nll / max(tokens, 1), evaluation.scores, evaluation.hypotheses)

@@ -10,6 +10,7 @@ from seq2seq.errors import UserInputError
 from seq2seq.evaluate import score, translate_and_score
 from seq2seq.model import build_model
 from seq2seq.tokenizer import Tokenizer, train_tokenizer
+from seq2seq.translator import Translator
 
 HYPOTHESES = ["the cat sat on the mat", "a dog barks loudly", "it rains"]
 REFERENCES = ["the cat sat on a mat", "the dog barks loudly", "it is raining"]
@@ -26,14 +27,14 @@ def test_counts_must_match():
     with pytest.raises(UserInputError, match="3 hypotheses but 2 references"):
         score(HYPOTHESES, REFERENCES[:2])
     with pytest.raises(UserInputError, match="3 sources but 2 references"):
-        translate_and_score(None, None, HYPOTHESES, REFERENCES[:2], DecodeConfig())  # fails before using the model
+        translate_and_score(None, HYPOTHESES, REFERENCES[:2], DecodeConfig())  # fails before using a model
 
 
 def test_translate_and_score_scores_its_own_best_hypotheses(demo_pairs):
     tokenizer: Tokenizer = train_tokenizer(TokenizerConfig(vocab_size=300), demo_pairs["train"][:500])
     model = build_model(ModelConfig(d_model=32, heads=2, encoder_layers=1, decoder_layers=1, ffn_dim=64), tokenizer)
     sources, references = [s for s, _ in demo_pairs["test"][:8]], [t for _, t in demo_pairs["test"][:8]]
-    evaluation = translate_and_score(model.eval(), tokenizer, sources, references, DecodeConfig(beam=2, nbest=2,
-                                     max_len_b=3))  # fmt: skip
+    translator = Translator.from_model(model.eval(), tokenizer, DecodeConfig(beam=2, nbest=2, max_len_b=3))
+    evaluation = translate_and_score(translator, sources, references)
     assert len(evaluation.hypotheses) == 8  # one best hypothesis per source, although n-best 2 was asked
     assert evaluation.scores == score(evaluation.hypotheses, references)

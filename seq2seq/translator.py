@@ -1,0 +1,156 @@
+"""The Python API for using a trained model, and `seq2seq translate` on top of it.
+
+    from seq2seq import Translator
+    translator = Translator.load("runs/bible/checkpoints/best.pt")   # or an exported directory
+    translator.translate(["In the beginning God created the heavens and the earth."], beam=5)
+
+A checkpoint (a .pt file) is decoded by our PyTorch search; a directory written by `seq2seq export`
+by CTranslate2. Both take the same decode settings (the model's `decode` section, overridable per
+call) and return the same `Translation` objects, so everything above (`translate`, `eval`, the
+parity gate) works with either. This module imports neither torch nor ctranslate2: `load` brings in
+the engine the path needs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import sys
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from seq2seq.config import DecodeConfig, decode_config_with
+from seq2seq.data.sources import chunked, decode_lines, read_lines
+from seq2seq.errors import UserInputError
+
+EXPORT_METADATA = "seq2seq_export.json"  # marks a directory written by `seq2seq export`
+
+# A file is read, translated and written this many lines at a time, so memory stays flat however
+# long it is; within a chunk, lines are sorted by length into batches.
+FILE_CHUNK_LINES = 10_000
+
+
+@dataclass(frozen=True)
+class Translation:
+    """The n best outputs of one input line, best first, as (text, score) pairs."""
+
+    nbest: list[tuple[str, float]]
+
+    @property
+    def text(self) -> str:
+        return self.nbest[0][0] if self.nbest else ""
+
+
+TranslateFunction = Callable[[list[str], DecodeConfig, bool], list[Translation]]  # (lines, settings, progress)
+
+
+class Translator:
+    """A model ready to translate: its decode defaults and an engine that translates lines with settings."""
+
+    def __init__(self, decode: DecodeConfig, translate_with: TranslateFunction, *, engine: str, bundle: Any = None):
+        self.decode = decode
+        self.engine = engine  # "pytorch" or "ctranslate2"
+        self.bundle = bundle  # PyTorch only: the model and tokenizer (attention plots need them)
+        self._translate_with = translate_with
+
+    @classmethod
+    def load(cls, path: str | Path, *, device: str | None = None) -> Translator:
+        """A checkpoint file (PyTorch) or a directory from `seq2seq export` (CTranslate2)."""
+        path = Path(path)
+        if path.is_dir():
+            if not (path / EXPORT_METADATA).is_file():
+                raise UserInputError(f"{path}: not an exported model (no {EXPORT_METADATA}); expected a checkpoint "
+                                     "file (.pt) or a directory written by `seq2seq export`")  # fmt: skip
+            from seq2seq.ctranslate2_engine import load_exported
+
+            return load_exported(path, device=device)
+        import torch
+
+        from seq2seq.checkpoint import load_for_inference
+
+        bundle = load_for_inference(path, device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        return cls.from_model(bundle.model, bundle.tokenizer, bundle.config.decode, bundle=bundle)
+
+    @classmethod
+    def from_model(cls, model: Any, tokenizer: Any, decode: DecodeConfig, *, bundle: Any = None) -> Translator:
+        """Our PyTorch model in memory (validation translates with the model being trained)."""
+        from seq2seq.translate import translate_lines
+
+        def translate_with(lines: list[str], settings: DecodeConfig, progress: bool) -> list[Translation]:
+            return translate_lines(model, tokenizer, lines, settings, progress=progress)
+
+        return cls(decode, translate_with, engine="pytorch", bundle=bundle)
+
+    def settings(self, overrides: Iterable[str] = (), **options: Any) -> DecodeConfig:
+        """The decode defaults with `decode.KEY=VALUE` overrides, then keyword options (beam=5, nbest=2, ...)."""
+        extra = [f"decode.{key}={value}" for key, value in options.items() if value is not None]
+        return decode_config_with(self.decode, [*overrides, *extra])
+
+    def translate(self, lines: list[str], **options: Any) -> list[str]:
+        """The best translation of each line, e.g. translate(lines, beam=5)."""
+        return [t.text for t in self.translate_nbest(lines, **{**options, "nbest": 1})]
+
+    def translate_nbest(self, lines: list[str], **options: Any) -> list[Translation]:
+        """Up to `nbest` (text, score) pairs per line, best first; scores are length-normalised log-probabilities."""
+        return self.translate_with(list(lines), self.settings(**options))
+
+    def translate_with(self, lines: list[str], decode: DecodeConfig, *, progress: bool = False) -> list[Translation]:
+        """Translate with a complete decode config (overrides already applied)."""
+        return self._translate_with(lines, decode, progress)
+
+
+def read_export_metadata(directory: Path) -> dict:
+    try:
+        return json.loads((directory / EXPORT_METADATA).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise UserInputError(f"{directory / EXPORT_METADATA}: unreadable export metadata ({exc})") from None
+
+
+def translate_file(
+    model: Path,
+    *,
+    source: str,
+    output: str,
+    decode_overrides: list[str],
+    stream: bool,
+    device: str | None = None,
+    attention_plot: Path | None = None,
+) -> list[Path]:
+    """`seq2seq translate`: `model` is a checkpoint or an exported directory; `source` and `output` are
+    paths or "-" (stdin, stdout). With n-best > 1 each line becomes `index ||| text ||| score` lines.
+    Returns the attention plots written, if asked for."""
+    translator = Translator.load(model, device=device)
+    decode = translator.settings(decode_overrides)
+    if attention_plot is not None and translator.bundle is None:
+        raise UserInputError(f"--attention-plot: {model} is an exported model; attention maps need the checkpoint")
+    lines_in = decode_lines(sys.stdin.buffer, "<stdin>") if source == "-" else read_lines(source)
+    chunks = ([line] for line in lines_in) if stream else chunked(lines_in, FILE_CHUNK_LINES)
+    first_chunk = next(chunks, [])
+    bar = tqdm(desc="translate", unit="sent", disable=source == "-" or stream)
+    results = (result for chunk in itertools.chain([first_chunk], chunks)
+               for result in _translated(translator, chunk, decode, bar))  # fmt: skip
+    with contextlib.nullcontext(sys.stdout) if output == "-" else open(output, "w", encoding="utf-8") as sink:
+        for index, result in enumerate(results):
+            if decode.nbest > 1:
+                sink.writelines(f"{index} ||| {text} ||| {value:.4f}\n" for text, value in result.nbest)
+            else:
+                sink.write(result.text + "\n")
+            if stream:
+                sink.flush()
+    bar.close()
+    if attention_plot is None or not first_chunk:
+        return []
+    from seq2seq.plots import plot_attention  # matplotlib only when asked for
+
+    return plot_attention(translator.bundle.model, translator.bundle.tokenizer, first_chunk[:5], attention_plot)
+
+
+def _translated(translator: Translator, lines: list[str], decode: DecodeConfig, bar: tqdm) -> Iterator[Translation]:
+    results = translator.translate_with(lines, decode)
+    bar.update(len(lines))
+    return iter(results)
