@@ -85,3 +85,15 @@ def tiny_config_file(tmp_path: Path, tiny_data: Path) -> Path:
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def trained_checkpoint(tmp_path_factory, demo_pairs) -> tuple[Path, Path]:
+    """(last.pt of the tiny config after 60 steps, its data folder): a model that has begun to learn."""
+    root = tmp_path_factory.mktemp("trained")
+    data = root / "data"
+    data.mkdir()
+    for split, pairs in demo_pairs.items():
+        write_pairs(data, split, pairs)
+    make_trainer(root, data, max_steps=60, valid_every=60, save_every=60, log_every=60).run()
+    return root / "run" / "checkpoints" / "last.pt", data

@@ -1,0 +1,259 @@
+"""`seq2seq export`: a checkpoint as a CTranslate2 model directory, shipped only through a parity gate.
+
+The model is described with CTranslate2's own specification API (TransformerSpec: encoder and
+decoder layers, pre- or post-norm, relu/gelu, scaled embeddings) and written by its converter,
+which also quantizes. Our sinusoidal positions interleave sin and cos (CTranslate2's built-in table
+puts all sines first), so the spec is given our table. The directory also holds the SentencePiece
+model(s) and seq2seq_export.json: languages, decode defaults, the training config, the checkpoint's
+step and best validation BLEU, and the parity report.
+
+The parity gate decodes the check sentences with our PyTorch search and with the exported model,
+same settings: greedy outputs must be identical on >= 99% of sentences and beam BLEU within 0.2
+(float32), or BLEU may drop at most `max_bleu_drop` (quantized). The model is written into a
+temporary folder next to the output and renamed into place only when the gate passes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from ctranslate2.converters.converter import Converter
+from ctranslate2.specs import common_spec, transformer_spec
+
+from seq2seq.checkpoint import Checkpoint
+from seq2seq.data.prepare import read_split
+from seq2seq.data.sources import read_lines
+from seq2seq.errors import UserInputError
+from seq2seq.evaluate import Scores, translate_and_score
+from seq2seq.model import sinusoidal_positions
+from seq2seq.translator import EXPORT_METADATA, Translator
+
+QUANTIZATIONS = ("float32", "int8", "int8_float32", "int16", "float16", "bfloat16")
+ACTIVATIONS = {"relu": common_spec.Activation.RELU, "gelu": common_spec.Activation.GELU}
+EXPORT_FORMAT_VERSION = 1
+LAYER_NORM_EPSILON = 1e-5  # torch.nn.LayerNorm's default, which our layers use
+
+
+class ExportFailed(Exception):
+    """The exported model does not translate like the checkpoint; nothing was written."""
+
+
+@dataclass(frozen=True)
+class ParityReport:
+    quantization: str
+    sentences: int
+    identical_greedy: float  # share of sentences whose greedy outputs are the same text
+    beam: int
+    ours: Scores
+    exported: Scores
+    max_bleu_drop: float
+
+    @property
+    def failures(self) -> list[str]:
+        drop = self.ours.bleu - self.exported.bleu
+        if self.quantization == "float32":
+            found = []
+            if self.identical_greedy < 0.99:
+                found.append(f"greedy outputs identical on {self.identical_greedy:.1%} of sentences (need >= 99%)")
+            if abs(drop) > 0.2:
+                found.append(f"beam-{self.beam} BLEU differs by {-drop:+.2f} (need within 0.2)")
+            return found
+        return [f"BLEU dropped by {drop:.2f} (allowed {self.max_bleu_drop:g})"] if drop > self.max_bleu_drop else []
+
+    def describe(self) -> str:
+        ours, exported = self.ours, self.exported
+        return (f"parity ({self.quantization}, {self.sentences} sentences): greedy outputs identical on "
+                f"{self.identical_greedy:.1%}; beam {self.beam} BLEU {ours.bleu:.2f} -> {exported.bleu:.2f} "
+                f"({exported.bleu - ours.bleu:+.2f}), chrF {ours.chrf:.2f} -> {exported.chrf:.2f}")  # fmt: skip
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "passed": not self.failures}
+
+
+def export_checkpoint(
+    checkpoint_path: Path,
+    output: Path,
+    *,
+    quantization: str = "float32",
+    check_src: Path | None = None,
+    check_ref: Path | None = None,
+    check_lines: int = 500,
+    max_bleu_drop: float = 1.0,
+) -> ParityReport:
+    """Export, run the parity gate, and only then put the model at `output`. Raises ExportFailed."""
+    if quantization not in QUANTIZATIONS:
+        raise UserInputError(f"--quantization {quantization}: expected one of {', '.join(QUANTIZATIONS)}")
+    if output.exists():
+        raise UserInputError(f"{output}: already exists; expected a new directory (delete it or choose another -o)")
+    if not output.parent.is_dir():
+        raise UserInputError(f"{output.parent}: no such directory for the exported model")
+    checkpoint = Checkpoint.load(checkpoint_path)
+    sources, references = _check_sentences(checkpoint, check_src, check_ref, check_lines)
+    spec = build_spec(checkpoint)
+    staging = output.with_name(f".{output.name}.tmp-{os.getpid()}")
+    try:
+        _SpecConverter(spec).convert(str(staging), quantization=quantization, force=True)
+        _write_tokenizer_and_metadata(staging, checkpoint, quantization)
+        report = parity(Translator.load(checkpoint_path, device="cpu"), Translator.load(staging), sources, references,
+                        quantization=quantization, max_bleu_drop=max_bleu_drop)  # fmt: skip
+        if report.failures:
+            raise ExportFailed(f"{report.describe()}\nexport refused: {'; '.join(report.failures)}")
+        metadata = json.loads((staging / EXPORT_METADATA).read_text(encoding="utf-8"))
+        (staging / EXPORT_METADATA).write_text(json.dumps({**metadata, "parity": report.to_dict()}, indent=2) + "\n")
+        os.replace(staging, output)
+        return report
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def parity(
+    ours: Translator,
+    exported: Translator,
+    sources: list[str],
+    references: list[str],
+    *,
+    quantization: str,
+    max_bleu_drop: float,
+) -> ParityReport:
+    """Both engines on the same sentences and settings: greedy agreement and beam scores."""
+    greedy = dataclasses.replace(ours.decode, beam=1, nbest=1)
+    same = sum(a.text == b.text for a, b in zip(ours.translate_with(sources, greedy),
+                                                   exported.translate_with(sources, greedy)))  # fmt: skip
+    return ParityReport(
+        quantization=quantization,
+        sentences=len(sources),
+        identical_greedy=same / len(sources),
+        beam=ours.decode.beam,
+        ours=translate_and_score(ours, sources, references).scores,
+        exported=translate_and_score(exported, sources, references).scores,
+        max_bleu_drop=max_bleu_drop,
+    )
+
+
+def build_spec(checkpoint: Checkpoint) -> transformer_spec.TransformerSpec:
+    """The checkpoint's model as a CTranslate2 Transformer specification, weights set."""
+    config = checkpoint.config.model
+    spec = transformer_spec.TransformerSpec.from_config(
+        (config.encoder_layers, config.decoder_layers),
+        config.heads,
+        pre_norm=config.norm == "pre",
+        activation=ACTIVATIONS[config.activation],
+    )
+    weights = {name: tensor.float().numpy() for name, tensor in checkpoint.model.items()}
+    positions = sinusoidal_positions(torch.arange(_max_positions(checkpoint)), config.d_model).numpy()
+    _set_stack_inputs(spec.encoder, weights["src_embed.weight"], positions)
+    _set_stack_inputs(spec.decoder, weights["tgt_embed.weight"], positions)
+    for index, layer in enumerate(spec.encoder.layer):
+        prefix = f"encoder_layers.{index}"
+        _set_attention(layer.self_attention, weights, f"{prefix}.self_attn", f"{prefix}.self_attn_block", fused=3)
+        _set_ffn(layer.ffn, weights, prefix)
+    for index, layer in enumerate(spec.decoder.layer):
+        prefix = f"decoder_layers.{index}"
+        _set_attention(layer.self_attention, weights, f"{prefix}.self_attn", f"{prefix}.self_attn_block", fused=3)
+        _set_attention(layer.attention, weights, f"{prefix}.cross_attn", f"{prefix}.cross_attn_block", fused=2)
+        _set_ffn(layer.ffn, weights, prefix)
+    if config.norm == "pre":
+        _set_norm(spec.encoder.layer_norm, weights, "encoder_norm")
+        _set_norm(spec.decoder.layer_norm, weights, "decoder_norm")
+    spec.decoder.projection.weight = weights["output_proj.weight"]
+    src_model, tgt_model = checkpoint.tokenizer.src_model, checkpoint.tokenizer.tgt_model
+    spec.register_source_vocabulary([src_model.id_to_piece(i) for i in range(src_model.get_piece_size())])
+    spec.register_target_vocabulary([tgt_model.id_to_piece(i) for i in range(tgt_model.get_piece_size())])
+    spec.config.add_source_eos = True  # our encoder sees where the source ends
+    spec.config.decoder_start_token = "<s>"
+    spec.config.layer_norm_epsilon = LAYER_NORM_EPSILON
+    return spec
+
+
+class _SpecConverter(Converter):
+    """CTranslate2's converter (validation, quantization, saving) over a spec we built."""
+
+    def __init__(self, spec: transformer_spec.TransformerSpec) -> None:
+        self._spec = spec
+
+    def _load(self) -> transformer_spec.TransformerSpec:
+        return self._spec
+
+
+def _max_positions(checkpoint: Checkpoint) -> int:
+    """Positions the table must cover: the longest training sentence and the longest output allowed for it."""
+    data, decode = checkpoint.config.data, checkpoint.config.decode
+    return max(1024, int(data.max_length * max(1.0, decode.max_len_a)) + decode.max_len_b + 2)
+
+
+def _set_stack_inputs(stack, embedding: np.ndarray, positions: np.ndarray) -> None:
+    embeddings = stack.embeddings[0] if isinstance(stack.embeddings, list) else stack.embeddings
+    embeddings.weight = embedding
+    stack.scale_embeddings = True  # x * sqrt(d_model), as ours
+    stack.position_encodings.encodings = positions
+
+
+def _set_attention(spec, weights: dict, attention: str, block: str, *, fused: int) -> None:
+    """fused=3: self-attention, q/k/v in one matrix; fused=2: cross-attention, q apart and k/v fused."""
+    names = ("q_proj", "k_proj", "v_proj")
+    if fused == 3:
+        _set_linear(spec.linear[0], weights, [f"{attention}.{n}" for n in names])
+    else:
+        _set_linear(spec.linear[0], weights, [f"{attention}.q_proj"])
+        _set_linear(spec.linear[1], weights, [f"{attention}.{n}" for n in names[1:]])
+    _set_linear(spec.linear[-1], weights, [f"{attention}.out_proj"])
+    _set_norm(spec.layer_norm, weights, f"{block}.norm")
+
+
+def _set_ffn(spec, weights: dict, prefix: str) -> None:
+    _set_linear(spec.linear_0, weights, [f"{prefix}.ffn.fc1"])
+    _set_linear(spec.linear_1, weights, [f"{prefix}.ffn.fc2"])
+    _set_norm(spec.layer_norm, weights, f"{prefix}.ffn_block.norm")
+
+
+def _set_linear(spec, weights: dict, modules: list[str]) -> None:
+    spec.weight = np.concatenate([weights[f"{m}.weight"] for m in modules])
+    spec.bias = np.concatenate([weights[f"{m}.bias"] for m in modules])
+
+
+def _set_norm(spec, weights: dict, module: str) -> None:
+    spec.gamma, spec.beta = weights[f"{module}.weight"], weights[f"{module}.bias"]
+
+
+def _check_sentences(checkpoint: Checkpoint, src: Path | None, ref: Path | None, limit: int) -> tuple[list, list]:
+    """The parity gate's sentences: --check-src/--check-ref, else the checkpoint's validation split."""
+    if (src is None) != (ref is None):
+        raise UserInputError("--check-src and --check-ref go together (sources and their references)")
+    if src is not None:
+        sources, references = list(read_lines(src))[:limit], list(read_lines(ref))[:limit]
+        if len(sources) != len(references) or not sources:
+            raise UserInputError(f"{src} and {ref}: expected the same number of lines, at least one")
+        return sources, references
+    try:
+        valid = read_split(checkpoint.config.data, "valid")
+    except UserInputError as error:
+        raise UserInputError(f"{error}; the parity gate needs sentences: pass --check-src and --check-ref") from None
+    return valid.src[:limit], valid.tgt[:limit]
+
+
+def _write_tokenizer_and_metadata(directory: Path, checkpoint: Checkpoint, quantization: str) -> None:
+    protos = checkpoint.tokenizer.protos()
+    files = {name: f"{name}.model" for name in protos}
+    for name, proto in protos.items():
+        (directory / files[name]).write_bytes(proto)
+    config = checkpoint.config
+    metadata = {
+        "format_version": EXPORT_FORMAT_VERSION,
+        "engine": "ctranslate2",
+        "quantization": quantization,
+        "src_lang": config.data.src_lang,
+        "tgt_lang": config.data.tgt_lang,
+        "tokenizer": {"src": files.get("joint", files.get("src")), "tgt": files.get("joint", files.get("tgt"))},
+        "step": checkpoint.progress.step,
+        "best_bleu": checkpoint.progress.best_bleu,
+        "decode": dataclasses.asdict(config.decode),
+        "config": config.to_dict(),
+    }
+    (directory / EXPORT_METADATA).write_text(json.dumps(metadata, indent=2) + "\n", encoding="utf-8")

@@ -1,0 +1,94 @@
+"""CTranslate2 export: the parity gate passes for a faithful export and stops a wrong one; the exported
+model translates like the checkpoint through the Python API and the CLI; bad input is one line."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+pytest.importorskip("ctranslate2", reason="optional extra: pip install -e '.[export]' (included in [dev])")
+
+from seq2seq import export as export_module  # noqa: E402
+from seq2seq.cli import app  # noqa: E402
+from seq2seq.translator import EXPORT_METADATA, Translator  # noqa: E402
+
+runner = CliRunner()
+
+
+def invoke(*args):
+    return runner.invoke(app, [str(a) for a in args], catch_exceptions=False)
+
+
+@pytest.fixture
+def checkpoint(trained_checkpoint):
+    return trained_checkpoint
+
+
+def test_float32_export_passes_the_gate_and_translates_like_the_checkpoint(checkpoint, tmp_path):
+    path, data = checkpoint
+    result = invoke("export", path, "-o", tmp_path / "model")
+    assert result.exit_code == 0, result.output
+    assert "greedy outputs identical on 100.0%" in result.stdout
+    metadata = json.loads((tmp_path / "model" / EXPORT_METADATA).read_text())
+    assert metadata["parity"]["passed"] and metadata["step"] == 60 and metadata["tgt_lang"] == "xx"
+    lines = (data / "test.en").read_text().splitlines()[:20] + [""]
+    ours, exported = Translator.load(path), Translator.load(tmp_path / "model")
+    assert (ours.engine, exported.engine) == ("pytorch", "ctranslate2")
+    assert exported.translate(lines, beam=1) == ours.translate(lines, beam=1)
+    assert exported.translate(lines)[-1] == ""  # an empty line stays empty
+    nbest = exported.translate_nbest(lines[:3], beam=3, nbest=2)
+    assert [len(t.nbest) for t in nbest] == [2, 2, 2]
+    assert all(a[1] >= b[1] for a, b in (t.nbest for t in nbest))  # best first
+    cli = invoke("translate", "-c", tmp_path / "model", "-i", data / "test.en", "--beam", "1")
+    assert cli.exit_code == 0 and cli.stdout.splitlines()[:20] == ours.translate(lines[:20], beam=1)
+
+
+def test_int8_export_reports_its_bleu_change(checkpoint, tmp_path):
+    path, _ = checkpoint
+    result = invoke("export", path, "-o", tmp_path / "int8", "--quantization", "int8", "--max-bleu-drop", "100")
+    assert result.exit_code == 0, result.output
+    assert "parity (int8" in result.stdout and "BLEU" in result.stdout
+    assert json.loads((tmp_path / "int8" / EXPORT_METADATA).read_text())["quantization"] == "int8"
+
+
+def test_a_wrong_export_is_caught_and_leaves_nothing(checkpoint, tmp_path, monkeypatch):
+    path, _ = checkpoint
+    faithful = export_module.build_spec
+
+    def scrambled(checkpoint):  # every output row answers for its neighbour's token
+        spec = faithful(checkpoint)
+        spec.decoder.projection.weight = np.roll(spec.decoder.projection.weight, 1, axis=0)
+        return spec
+
+    monkeypatch.setattr(export_module, "build_spec", scrambled)
+    result = invoke("export", path, "-o", tmp_path / "wrong")
+    assert result.exit_code == 1
+    assert "export refused: greedy outputs identical on" in result.stderr and "Traceback" not in result.output
+    assert not any(tmp_path.iterdir())  # neither the model nor its staging folder
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--quantization", "int4"], "--quantization int4: expected one of float32, int8"),
+        (["--format", "onnx"], "--format onnx: expected ctranslate2"),
+        (["--check-src", "README.md"], "--check-src and --check-ref go together"),
+    ],
+)
+def test_bad_export_options_are_one_line(checkpoint, tmp_path, args, fragment):
+    path, _ = checkpoint
+    result = invoke("export", path, "-o", tmp_path / "model", *args)
+    assert result.exit_code == 2 and fragment in result.stderr and "Traceback" not in result.output
+    assert not (tmp_path / "model").exists()
+
+
+def test_existing_output_and_foreign_directories_are_refused(checkpoint, tmp_path):
+    path, data = checkpoint
+    (tmp_path / "taken").mkdir()
+    result = invoke("export", path, "-o", tmp_path / "taken")
+    assert result.exit_code == 2 and "already exists" in result.stderr
+    result = invoke("translate", "-c", data, "-i", data / "test.en")
+    assert result.exit_code == 2 and "not an exported model" in result.stderr
