@@ -7,15 +7,22 @@ ratios with their targets:
     (beam 5, every output forced to exactly 40 tokens), and
   * batched beam search (64 sentences per batch) against one sentence at a time.
 
+With --references, the shipped sides follow: the checkpoint exported to CTranslate2 in float32 and
+int8 (through `seq2seq export` and its parity gate) against our PyTorch decoder, each side in its
+own process (so its peak RSS is its own), greedy and beam 5, with BLEU against the references.
+
     python scripts/benchmark_decode.py [--checkpoint runs/demo/checkpoints/best.pt] [--input data/demo/test.en]
+    python scripts/benchmark_decode.py --checkpoint CKPT --input test.en --references test.es --sentences 300
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import multiprocessing
 import resource
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -28,6 +35,7 @@ from seq2seq.data.sources import read_lines
 from seq2seq.interop import to_torch_transformer
 from seq2seq.search import PrefixCache, search
 from seq2seq.translate import translate_lines
+from seq2seq.translator import Translator
 
 
 class RecomputingDecoder:
@@ -87,6 +95,7 @@ def main() -> int:
     parser.add_argument("--input", type=Path, default=Path("data/demo/test.en"))
     parser.add_argument("--sentences", type=int, default=1000)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    parser.add_argument("--references", type=Path, help="references of --input: adds the CTranslate2 sides")
     args = parser.parse_args()
     if not args.checkpoint.exists() or not args.input.exists():
         print(f"error: {args.checkpoint} or {args.input} missing; run `make demo` first", file=sys.stderr)
@@ -131,7 +140,70 @@ def main() -> int:
     print(f"batched beam 5, 64 sentences: batch of 64 {batched:.2f}s, one at a time {one_by_one:.2f}s "
           f"-> {one_by_one / batched:.1f}x (target >= 5x)")  # fmt: skip
     print(f"peak RSS: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:,.0f} MiB")
+    if args.references:
+        shipped_sides(args, lines, list(read_lines(args.references))[: len(lines)])
     return 0
+
+
+def shipped_sides(args, lines: list[str], references: list[str]) -> None:
+    """Our PyTorch decoder against its CTranslate2 exports (float32, int8), each in a fresh process."""
+    from seq2seq.export import export_checkpoint
+
+    context = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory() as work:
+        models = {"seq2seq (PyTorch)": args.checkpoint}
+        for quantization in ("float32", "int8"):
+            output = Path(work) / quantization
+            report = export_checkpoint(args.checkpoint, output, quantization=quantization, check_src=args.input,
+                                       check_ref=args.references, check_lines=len(lines))  # fmt: skip
+            print(f"\nexport: {report.describe()}")
+            models[f"CTranslate2 {quantization}"] = output
+        rows = {}
+        for name, model in models.items():
+            queue = context.Queue()
+            process = context.Process(target=_decode_side, args=(model, lines, references, args.threads, queue))
+            process.start()
+            rows[name] = queue.get()
+            process.join()
+    print(f"\n{len(lines)} sentences; each side in its own process")
+    print("| search | engine | sentences/s | generated tokens/s | vs PyTorch | BLEU | peak RSS |")
+    print("|---|---|---|---|---|---|---|")
+    for search_name in ("greedy", "beam 5"):
+        ours = rows["seq2seq (PyTorch)"][search_name][1]
+        for name, row in rows.items():
+            sentences, tokens, bleu = row[search_name]
+            print(f"| {search_name} | {name} | {sentences:,.1f} | {tokens:,.0f} | {tokens / ours:.2f}x | {bleu:.2f} "
+                  f"| {row['peak_rss']:,.0f} MiB |")  # fmt: skip
+    int8, float32 = rows["CTranslate2 int8"]["beam 5"], rows["CTranslate2 float32"]["beam 5"]
+    print(f"int8 beam 5: {int8[1] / rows['seq2seq (PyTorch)']['beam 5'][1]:.2f}x our PyTorch beam 5 in generated "
+          f"tokens/s (target >= 2x), BLEU {int8[2] - float32[2]:+.2f} against float32 (target within 0.5)")  # fmt: skip
+
+
+def _decode_side(model: Path, lines: list[str], references: list[str], threads: int, queue) -> None:
+    from seq2seq.evaluate import score
+    from seq2seq.tokenizer import Tokenizer
+
+    if threads:
+        torch.set_num_threads(threads)
+    translator = Translator.load(model, device="cpu")
+    tokenizer = _tokenizer_of(model, Tokenizer)
+    row = {}
+    for name, beam in (("greedy", 1), ("beam 5", 5)):
+        settings = dataclasses.replace(translator.decode, beam=beam, nbest=1)
+        translator.translate_with(lines[:50], settings)  # warm-up
+        results, seconds = timed(lambda s=settings: translator.translate_with(lines, s))
+        hypotheses = [r.text for r in results]
+        tokens = sum(len(ids) + 1 for ids in tokenizer.encode_tgt(hypotheses))  # + EOS
+        row[name] = (len(lines) / seconds, tokens / seconds, score(hypotheses, references).bleu)
+    row["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    queue.put(row)
+
+
+def _tokenizer_of(model: Path, tokenizer_class):
+    """The target tokenizer, to count generated tokens the same way for every side."""
+    if model.is_dir():
+        return tokenizer_class.load(model)  # the export holds joint.model, or src.model and tgt.model
+    return load_for_inference(model).tokenizer
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 import time
 from collections.abc import Callable
@@ -40,5 +41,19 @@ def run_demo(
     plots = plot_training_curves(run_dir)
     echo(f"training curves: {', '.join(str(p) for p in plots)}")
     echo(f"test set, beam {config.decode.beam}, {scores.sentences} sentences:\n{scores.describe()}")
+    _ship(best if best.exists() else result.last_checkpoint, run_dir / "exported-int8", test, scores, echo)
     echo(f"demo finished in {time.perf_counter() - started:.0f}s; run directory: {run_dir}")
     return scores
+
+
+def _ship(checkpoint: Path, output: Path, test, scores: Scores, echo: Callable[[str], None]) -> None:
+    """The last step of the path: export to CTranslate2 int8 through the parity gate, and score that."""
+    if importlib.util.find_spec("ctranslate2") is None:
+        echo("(to also ship the model: pip install -e '.[export]', then seq2seq export)")
+        return
+    from seq2seq.export import export_checkpoint
+
+    report = export_checkpoint(checkpoint, output, quantization="int8")
+    exported = translate_and_score(Translator.load(output), test.src, test.tgt).scores
+    echo(f"\nexported to {output} (CTranslate2, int8); {report.describe()}")
+    echo(f"test BLEU: checkpoint {scores.bleu:.2f}, exported int8 model {exported.bleu:.2f}")
