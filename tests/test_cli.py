@@ -35,7 +35,17 @@ def test_help_lists_every_command_with_examples():
     assert result.exit_code == 0
     for command in ("tokenizer", "train", "translate", "eval", "export", "serve", "demo", "average", "plot"):
         assert command in result.output
-    for command in (["train"], ["translate"], ["eval"], ["tokenizer", "train"], ["average"], ["plot"], ["demo"], ["export"], ["serve"]):
+    for command in (
+        ["train"],
+        ["translate"],
+        ["eval"],
+        ["tokenizer", "train"],
+        ["average"],
+        ["plot"],
+        ["demo"],
+        ["export"],
+        ["serve"],
+    ):
         sub = invoke(*command, "--help")
         assert sub.exit_code == 0 and "Example" in sub.output
 
