@@ -82,6 +82,24 @@ def test_train_writes_the_run_directory(trained_run):
     assert kinds == {"train", "valid"}
 
 
+def test_a_file_is_translated_chunk_by_chunk_in_order(trained_run, tmp_path, monkeypatch):
+    import seq2seq.translator as translator_module
+
+    _, _, run_dir, data = trained_run
+    checkpoint = run_dir / "checkpoints" / "last.pt"
+    whole = invoke("translate", "-c", checkpoint, "-i", data / "test.en", "--beam", "1").stdout
+    monkeypatch.setattr(translator_module, "FILE_CHUNK_LINES", 7)  # 30 lines: 5 chunks, the last one short
+    calls, real = [], translator_module.Translator.translate_with
+
+    def counting(self, lines, *args, **kwargs):
+        calls.append(len(lines))
+        return real(self, lines, *args, **kwargs)
+
+    monkeypatch.setattr(translator_module.Translator, "translate_with", counting)
+    chunked = invoke("translate", "-c", checkpoint, "-i", data / "test.en", "--beam", "1").stdout
+    assert calls == [7, 7, 7, 7, 2] and chunked == whole and len(whole.splitlines()) == 30
+
+
 def test_translate_from_stdin_and_files_with_nbest(trained_run, tmp_path):
     _, _, run_dir, data = trained_run
     checkpoint = run_dir / "checkpoints" / "last.pt"
@@ -130,8 +148,10 @@ def test_average_plot_and_attention_plot(trained_run, tmp_path):
     assert result.exit_code == 0, result.output
     result = invoke("plot", run_dir)
     assert result.exit_code == 0, result.output
-    for name in ("loss", "bleu", "lr"):
+    for name in ("loss", "bleu", "lr", "memory"):
         assert (run_dir / "plots" / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
+    train_records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["rss_mb"] > 0 and r["peak_memory_mb"] >= r["rss_mb"] for r in train_records if r["kind"] == "train")
     result = invoke(
         "translate", "-c", tmp_path / "avg.pt", "--attention-plot", tmp_path / "att", input="the cat sleeps\n"
     )
