@@ -18,7 +18,8 @@ import sentencepiece as spm
 
 from seq2seq.config import DecodeConfig, config_from_dict
 from seq2seq.data.sources import normalize
-from seq2seq.translator import Translation, Translator, read_export_metadata
+from seq2seq.errors import UserInputError
+from seq2seq.translator import EXPORT_METADATA, Translation, Translator, read_export_metadata
 
 LENGTH_PENALTY_EXPONENT = {"average": lambda decode: 1.0, "none": lambda decode: 0.0,
                            "gnmt": lambda decode: decode.length_penalty}  # fmt: skip
@@ -26,11 +27,17 @@ LENGTH_PENALTY_EXPONENT = {"average": lambda decode: 1.0, "none": lambda decode:
 
 def load_exported(directory: Path, *, device: str | None = None) -> Translator:
     metadata = read_export_metadata(directory)
+    missing = [key for key in ("config", "tokenizer") if key not in metadata]
+    if missing:
+        raise UserInputError(f"{directory / EXPORT_METADATA}: lacks {', '.join(missing)}; re-export the checkpoint")
     config = config_from_dict(metadata["config"], origin=f"{directory} (stored config)")
-    engine = ctranslate2.Translator(str(directory), device=device or "cpu")
-    models = metadata["tokenizer"]  # {"src": file, "tgt": file}
-    src = spm.SentencePieceProcessor(model_file=str(directory / models["src"]))
-    tgt = spm.SentencePieceProcessor(model_file=str(directory / models["tgt"]))
+    try:
+        engine = ctranslate2.Translator(str(directory), device=device or "cpu")
+        models = metadata["tokenizer"]  # {"src": file, "tgt": file}
+        src = spm.SentencePieceProcessor(model_file=str(directory / models["src"]))
+        tgt = spm.SentencePieceProcessor(model_file=str(directory / models["tgt"]))
+    except (RuntimeError, OSError, KeyError, TypeError) as error:
+        raise UserInputError(f"{directory}: not a loadable exported model ({type(error).__name__}: {error})") from None
 
     def translate_with(lines: list[str], decode: DecodeConfig, progress: bool) -> list[Translation]:
         texts = [normalize(line) for line in lines]
