@@ -195,8 +195,15 @@ def _decode_side(model: Path, lines: list[str], references: list[str], threads: 
         hypotheses = [r.text for r in results]
         tokens = sum(len(ids) + 1 for ids in tokenizer.encode_tgt(hypotheses))  # + EOS
         row[name] = (len(lines) / seconds, tokens / seconds, score(hypotheses, references).bleu)
-    row["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    row["peak_rss"] = _own_peak_rss_mb()  # not ru_maxrss: Linux carries it over from the parent through exec
     queue.put(row)
+
+
+def _own_peak_rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
 
 
 def _tokenizer_of(model: Path, tokenizer_class):

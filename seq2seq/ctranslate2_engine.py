@@ -1,8 +1,10 @@
 """CTranslate2 as the engine of an exported model: our decode settings mapped onto its options.
 
 What matches our search exactly: beam size, n-best, the minimum length, n-gram blocking, the source
-EOS and decoder start token, and the length limit a * source length + b (CTranslate2 takes one limit
-per call, so sentences are grouped by their limit). What differs: length normalisation
+EOS and decoder start token, and the length limit a * source length + b for greedy search
+(CTranslate2 takes one limit per call: all sentences go in one call with the largest limit, and those
+that reach their own limit are translated again with it; in beam search a beam of a sentence that
+ends below its limit may still have been cut differently). What differs: length normalisation
 `average` and `none` map exactly (length_penalty 1 and 0), but `gnmt` ((5 + len) / 6)^alpha has no
 CTranslate2 equivalent and is approximated by len^alpha, which can rank finished beam hypotheses
 differently; greedy search is unaffected. The parity gate of `seq2seq export` measures the result.
@@ -43,29 +45,41 @@ def load_exported(directory: Path, *, device: str | None = None) -> Translator:
         texts = [normalize(line) for line in lines]
         rows = [index for index, text in enumerate(texts) if text]  # an empty line stays empty
         pieces = src.encode([texts[index] for index in rows], out_type=str)
-        groups: dict[int, list[int]] = defaultdict(list)
-        for position, sentence in enumerate(pieces):
-            groups[_length_limit(len(sentence) + 1, decode)].append(position)  # + the EOS CTranslate2 adds
+        limits = [_length_limit(len(sentence) + 1, decode) for sentence in pieces]  # + the EOS CTranslate2 adds
+        outputs = _translate(engine, pieces, decode, max(limits, default=1))
+        # One call for all (small per-limit calls are slow); a sentence that reached its own limit is
+        # translated again with that limit, as our search would have stopped it there.
+        redo: dict[int, list[int]] = defaultdict(list)
+        for position, output in enumerate(outputs):
+            if any(len(tokens) >= limits[position] for tokens in output.hypotheses):
+                redo[limits[position]].append(position)
+        for limit, members in redo.items():
+            for position, output in zip(members, _translate(engine, [pieces[p] for p in members], decode, limit)):
+                outputs[position] = output
         results = [Translation([]) for _ in lines]
-        for limit, members in groups.items():
-            outputs = engine.translate_batch(
-                [pieces[position] for position in members],
-                beam_size=decode.beam,
-                num_hypotheses=decode.nbest,
-                return_scores=True,
-                max_decoding_length=limit,
-                min_decoding_length=decode.min_len,
-                length_penalty=LENGTH_PENALTY_EXPONENT[decode.length_norm](decode),
-                no_repeat_ngram_size=decode.no_repeat_ngram,
-                max_batch_size=decode.batch_tokens,
-                batch_type="tokens",
-            )
-            for position, output in zip(members, outputs):
-                nbest = [(tgt.decode(tokens), score) for tokens, score in zip(output.hypotheses, output.scores)]
-                results[rows[position]] = Translation(nbest)
+        for position, output in enumerate(outputs):
+            nbest = [(tgt.decode(tokens), score) for tokens, score in zip(output.hypotheses, output.scores)]
+            results[rows[position]] = Translation(nbest)
         return results
 
     return Translator(config.decode, translate_with, engine="ctranslate2")
+
+
+def _translate(engine: ctranslate2.Translator, pieces: list[list[str]], decode: DecodeConfig, limit: int) -> list:
+    if not pieces:
+        return []
+    return engine.translate_batch(
+        pieces,
+        beam_size=decode.beam,
+        num_hypotheses=decode.nbest,
+        return_scores=True,
+        max_decoding_length=limit,
+        min_decoding_length=decode.min_len,
+        length_penalty=LENGTH_PENALTY_EXPONENT[decode.length_norm](decode),
+        no_repeat_ngram_size=decode.no_repeat_ngram,
+        max_batch_size=decode.batch_tokens,
+        batch_type="tokens",
+    )
 
 
 def _length_limit(source_length: int, decode: DecodeConfig) -> int:
