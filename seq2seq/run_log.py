@@ -72,6 +72,8 @@ def memory_figures(device: torch.device) -> dict[str, float]:
     rss = current_rss_mb()
     if rss is not None:
         figures["rss_mb"] = rss
+        if device.type != "cuda":  # the kernel updates the recorded peak lazily: it can trail the RSS now
+            figures["peak_memory_mb"] = max(figures["peak_memory_mb"], rss)
     if device.type == "cuda":
         figures["cuda_allocated_mb"] = torch.cuda.memory_allocated(device) / 2**20
         figures["cuda_reserved_mb"] = torch.cuda.memory_reserved(device) / 2**20
