@@ -232,6 +232,12 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
         raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise UserInputError(f"{path}: config file not found") from None
+    except IsADirectoryError:
+        raise UserInputError(f"{path}: is a directory; expected a YAML config file") from None
+    except OSError as error:
+        raise UserInputError(f"{path}: cannot read the config ({error.strerror})") from None
+    except UnicodeDecodeError as error:
+        raise UserInputError(f"{path}: not UTF-8 text ({error.reason} at byte {error.start})") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f":{mark.line + 1}" if mark else ""
@@ -270,7 +276,11 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> set[str]:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise UserInputError(f"--set {item}: '{part}' is not a section")
-        node[leaf] = yaml.safe_load(text)
+        try:
+            node[leaf] = yaml.safe_load(text)
+        except yaml.YAMLError as error:
+            problem = getattr(error, "problem", None) or "not valid YAML"
+            raise UserInputError(f"--set {item}: the value is not valid YAML ({problem})") from None
         keys.add(key)
     return keys
 

@@ -138,3 +138,12 @@ def test_decode_overrides_build_the_decode_section_alone():
         decode_config_with(stored, ["decode.nbest=9"])
     with pytest.raises(UserInputError, match="--set decode.bem: decode.bem: unknown key; did you mean 'decode.beam'"):
         decode_config_with(stored, ["decode.bem=3"])
+
+
+def test_a_set_value_that_is_not_yaml_and_a_directory_as_config_are_one_line(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(tiny_config_dict(tmp_path)))
+    with pytest.raises(UserInputError, match=r"--set train.lr=\[0.1: the value is not valid YAML"):
+        load_config(path, ["train.lr=[0.1"])
+    with pytest.raises(UserInputError, match="is a directory; expected a YAML config file"):
+        load_config(tmp_path)
