@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import json
 import queue
 import threading
 import time
@@ -194,8 +195,6 @@ def create_app(translator: Translator, *, model_name: str, limits: Limits = Limi
 
 
 def _json(raw: bytes) -> object:
-    import json
-
     try:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as error:
