@@ -186,7 +186,8 @@ def _decode_side(model: Path, lines: list[str], references: list[str], threads: 
     if threads:
         torch.set_num_threads(threads)
     translator = Translator.load(model, device="cpu")
-    tokenizer = _tokenizer_of(model, Tokenizer)
+    # the target tokenizer counts generated tokens the same way for every side
+    tokenizer = translator.bundle.tokenizer if translator.bundle else Tokenizer.load(model)
     row = {}
     for name, beam in (("greedy", 1), ("beam 5", 5)):
         settings = dataclasses.replace(translator.decode, beam=beam, nbest=1)
@@ -204,13 +205,6 @@ def _own_peak_rss_mb() -> float:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) / 1024
     return float("nan")
-
-
-def _tokenizer_of(model: Path, tokenizer_class):
-    """The target tokenizer, to count generated tokens the same way for every side."""
-    if model.is_dir():
-        return tokenizer_class.load(model)  # the export holds joint.model, or src.model and tgt.model
-    return load_for_inference(model).tokenizer
 
 
 if __name__ == "__main__":

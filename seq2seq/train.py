@@ -84,7 +84,6 @@ class Trainer:
         self.device = self.dist.device()
         if tc.precision == "fp16" and self.device.type != "cuda":
             raise UserInputError("train.precision: fp16 needs a CUDA GPU (loss scaling); use bf16 or fp32 on CPU")
-        self.checkpoints = self.run_dir.checkpoints
         self.run_dir.check(resume=resume)
         torch.manual_seed(tc.seed)
         self.tokenizer, self.data = prepare_run(config, self.run_dir, self.dist)
@@ -168,7 +167,7 @@ class Trainer:
         # down meanwhile aborted at exit in ~8% of two-rank CPU runs (under 1% with this barrier).
         dist.barrier()
         log.info("stopped after %d steps: %s", progress.step, stop_reason)
-        return TrainResult(dataclasses.replace(progress), self.checkpoints / LAST, stop_reason)
+        return TrainResult(dataclasses.replace(progress), self.run_dir.checkpoints / LAST, stop_reason)
 
     def _account_skipped_updates(self) -> None:
         """Bring the device-side skip counters into the progress; stop if training has diverged."""
@@ -231,7 +230,7 @@ class Trainer:
                                bleu=result.scores.bleu, chrf=result.scores.chrf)  # fmt: skip
             if improved:
                 # best.pt is for translation, not resuming: rank 0's own RNG state is enough (no collective)
-                self._checkpoint([torch.get_rng_state()]).save(self.checkpoints / BEST)
+                self._checkpoint([torch.get_rng_state()]).save(self.run_dir.checkpoints / BEST)
         progress.best_bleu, progress.stale_validations = self.dist.broadcast(
             (progress.best_bleu, progress.stale_validations)
         )
@@ -265,7 +264,7 @@ class Trainer:
         self._account_skipped_updates()
         rng_states = self._rng_states()
         if self.dist.is_main:
-            save_numbered(self.checkpoints, self._checkpoint(rng_states), keep_last=self.config.train.keep_last)
+            save_numbered(self.run_dir.checkpoints, self._checkpoint(rng_states), keep_last=self.config.train.keep_last)
 
     def _restore(self, path: Path) -> None:
         checkpoint = Checkpoint.load(path)
