@@ -180,7 +180,7 @@ def shipped_sides(args, lines: list[str], references: list[str]) -> None:
 
 
 def _decode_side(model: Path, lines: list[str], references: list[str], threads: int, queue) -> None:
-    from seq2seq.evaluate import score
+    from seq2seq.scoring import score
     from seq2seq.tokenizer import Tokenizer
 
     if threads:
@@ -195,7 +195,7 @@ def _decode_side(model: Path, lines: list[str], references: list[str], threads: 
         results, seconds = timed(lambda s=settings: translator.translate_with(lines, s))
         hypotheses = [r.text for r in results]
         tokens = sum(len(ids) + 1 for ids in tokenizer.encode_tgt(hypotheses))  # + EOS
-        row[name] = (len(lines) / seconds, tokens / seconds, score(hypotheses, references).bleu)
+        row[name] = (len(lines) / seconds, tokens / seconds, score(hypotheses, [references]).bleu)
     row["peak_rss"] = _own_peak_rss_mb()  # not ru_maxrss: Linux carries it over from the parent through exec
     queue.put(row)
 

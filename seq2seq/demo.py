@@ -11,22 +11,24 @@ from pathlib import Path
 from seq2seq.config import load_config
 from seq2seq.data.prepare import read_split
 from seq2seq.demo_data import write_demo_corpus
-from seq2seq.evaluate import Scores, translate_and_score
+from seq2seq.evaluate import translate_and_score
 from seq2seq.plots import plot_training_curves
+from seq2seq.scoring import Scores
 from seq2seq.train import Trainer
 from seq2seq.translator import Translator
 
-DEMO_DATA_DIR = Path("data/demo")  # configs/demo.yaml reads its files from here
+DEMO_DATA_DIR = Path("data/demo")  # demo.yaml reads its files from here (relative to where the demo runs)
+DEMO_CONFIG = Path(__file__).with_name("demo.yaml")  # shipped in the package: the demo runs from any directory
 
 
 def run_demo(
-    config_path: Path, overrides: list[str], run_dir: Path, *, show_progress: bool, echo: Callable[[str], None]
+    config_path: Path | None, overrides: list[str], run_dir: Path, *, show_progress: bool, echo: Callable[[str], None]
 ) -> Scores:
     """Write the corpus, train from scratch into run_dir (replacing it), then translate and score the test split."""
     started = time.perf_counter()
     write_demo_corpus(DEMO_DATA_DIR)
     echo(f"demo corpus written to {DEMO_DATA_DIR}/ (train/valid/test .en -> .xx)")
-    config = load_config(config_path, overrides)
+    config = load_config(config_path or DEMO_CONFIG, overrides)
     shutil.rmtree(run_dir, ignore_errors=True)
     result = Trainer(config, run_dir, show_progress=show_progress).run()
     best = result.last_checkpoint.with_name("best.pt")

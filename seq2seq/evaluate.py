@@ -1,38 +1,23 @@
-"""Evaluation: translate sources, score the detokenized output against references with sacrebleu, report.
+"""Evaluation: translate sources, score the detokenized output against references, report.
 
 Every place that scores a model (`seq2seq eval`, validation during training, the demo, the
-precision comparison) goes through `translate_and_score`; `score` alone serves hypotheses that
-already exist. Scores carry sacrebleu's signatures, which make them comparable across papers.
+precision comparison) goes through `translate_and_score`; `score_files` serves hypotheses that
+already exist (`seq2seq score`). Scoring itself is sacrebleu's, in scoring.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-
-from sacrebleu.metrics import BLEU, CHRF
 
 from seq2seq.config import DecodeConfig
 from seq2seq.data.sources import read_lines
 from seq2seq.errors import UserInputError
+from seq2seq.files import check_writable, write_text_atomic
+from seq2seq.scoring import ScoreOptions, Scores, read_text_file, score
 from seq2seq.translator import Translator
-
-
-@dataclass(frozen=True)
-class Scores:
-    bleu: float
-    chrf: float
-    bleu_signature: str
-    chrf_signature: str
-    sentences: int
-
-    def describe(self) -> str:
-        return f"BLEU = {self.bleu:.2f}  ({self.bleu_signature})\nchrF = {self.chrf:.2f}  ({self.chrf_signature})"
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -41,58 +26,77 @@ class Evaluation:
     scores: Scores
 
 
-def score(hypotheses: list[str], references: list[str]) -> Scores:
-    """Corpus BLEU and chrF with sacrebleu's defaults."""
-    if len(hypotheses) != len(references):
-        raise UserInputError(f"{len(hypotheses)} hypotheses but {len(references)} references; expected equal counts")
-    bleu, chrf = BLEU(), CHRF()
-    return Scores(
-        bleu=bleu.corpus_score(hypotheses, [references]).score,
-        chrf=chrf.corpus_score(hypotheses, [references]).score,
-        bleu_signature=str(bleu.get_signature()),
-        chrf_signature=str(chrf.get_signature()),
-        sentences=len(hypotheses),
-    )
-
-
 def translate_and_score(
     translator: Translator,
     sources: list[str],
-    references: list[str],
+    references: list[str] | list[list[str]],
     decode: DecodeConfig | None = None,
     *,
+    options: ScoreOptions = ScoreOptions(),
     progress: bool = False,
 ) -> Evaluation:
-    """Translate `sources` (best hypothesis only; settings: `decode`, else the model's) and score them."""
-    if len(sources) != len(references):
-        raise UserInputError(f"{len(sources)} sources but {len(references)} references; expected equal counts")
+    """Translate `sources` (best hypothesis only; settings: `decode`, else the model's) and score them
+    against one reference set (a list of lines) or several (a list of such lists)."""
+    reference_sets = [references] if references and isinstance(references[0], str) else references
+    for reference_set in reference_sets:
+        if len(sources) != len(reference_set):
+            raise UserInputError(f"{len(sources)} sources but {len(reference_set)} references; expected equal counts")
     decode = dataclasses.replace(decode or translator.decode, nbest=1)
     hypotheses = [t.text for t in translator.translate_with(sources, decode, progress=progress)]
-    return Evaluation(hypotheses, score(hypotheses, references))
+    return Evaluation(hypotheses, score(hypotheses, reference_sets, options))
 
 
 def evaluate_files(
     model: Path,
     *,
     src: Path,
-    ref: Path,
+    refs: list[Path],
     decode_overrides: list[str],
+    options: ScoreOptions = ScoreOptions(),
     device: str | None = None,
     hypotheses_path: Path | None = None,
     json_path: Path | None = None,
 ) -> Evaluation:
-    """`seq2seq eval`: translate the file `src` with a checkpoint or exported model, score against `ref`,
-    write the reports."""
-    sources, references = list(read_lines(src)), list(read_lines(ref))
-    if len(sources) != len(references):
-        raise UserInputError(f"{src} has {len(sources)} lines but {ref} has {len(references)}; expected equal counts")
+    """`seq2seq eval`: translate the file `src` with a checkpoint or exported model, score against the
+    reference files `refs`, write the reports. Every input and output is checked before translating."""
+    for path in (hypotheses_path, json_path):
+        if path is not None:
+            check_writable(path)
+    sources = list(read_lines(src))
+    reference_sets = _read_references(refs, len(sources), counted=str(src))
     translator = Translator.load(model, device=device)
     decode = translator.settings(decode_overrides)
-    evaluation = translate_and_score(translator, sources, references, decode, progress=True)
+    evaluation = translate_and_score(translator, sources, reference_sets, decode, options=options, progress=True)
     if hypotheses_path:
-        hypotheses_path.write_text("".join(h + "\n" for h in evaluation.hypotheses), encoding="utf-8")
+        write_text_atomic(hypotheses_path, "".join(h + "\n" for h in evaluation.hypotheses))
     if json_path:
         report = {**evaluation.scores.to_dict(), "model": str(model), "engine": translator.engine, "src": str(src),
-                  "ref": str(ref), "beam": decode.beam}  # fmt: skip
-        json_path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+                  "refs": [str(r) for r in refs], "beam": decode.beam}  # fmt: skip
+        write_text_atomic(json_path, json.dumps(report, indent=2) + "\n")
     return evaluation
+
+
+def score_files(hyp: Path, refs: list[Path], *, options: ScoreOptions = ScoreOptions(),
+                json_path: Path | None = None) -> Scores:  # fmt: skip
+    """`seq2seq score`: existing hypotheses against one or more reference files, as `sacrebleu` scores them."""
+    if json_path is not None:
+        check_writable(json_path)
+    hypotheses = read_text_file(hyp)
+    scores = score(hypotheses, _read_references(refs, len(hypotheses), counted=str(hyp)), options)
+    if json_path:
+        report = {**scores.to_dict(), "hyp": str(hyp), "refs": [str(r) for r in refs]}
+        write_text_atomic(json_path, json.dumps(report, indent=2) + "\n")
+    return scores
+
+
+def _read_references(paths: list[Path], count: int, *, counted: str) -> list[list[str]]:
+    """Each reference file, which must have as many lines as `counted` (a source or hypothesis file)."""
+    if not paths:
+        raise UserInputError("--ref: no reference file given; expected at least one")
+    reference_sets = []
+    for path in paths:
+        lines = read_text_file(path)
+        if len(lines) != count:
+            raise UserInputError(f"{path} has {len(lines)} lines but {counted} has {count}; expected equal counts")
+        reference_sets.append(lines)
+    return reference_sets

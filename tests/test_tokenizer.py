@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import unicodedata
+
 from seq2seq.config import TokenizerConfig
 from seq2seq.special_tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from seq2seq.tokenizer import Tokenizer, train_tokenizer
@@ -30,3 +32,14 @@ def test_separate_vocabularies_and_sampling(demo_pairs):
     assert tokenizer.decode_tgt(tokenizer.encode_tgt([tgt[5]])[0]) == tgt[5]
     restored = Tokenizer.from_protos(tokenizer.protos())
     assert restored.encode_src([src[3]]) == tokenizer.encode_src([src[3]])
+
+
+def test_decomposed_and_composed_text_get_the_same_ids():
+    """Data is read as given (no NFC in the readers): SentencePiece's NFKC rule makes the ids equal."""
+    pairs = [("café crème brûlée", "señor niño año")] * 50 + [("el café", "año nuevo")] * 50
+    tokenizer = train_tokenizer(TokenizerConfig(vocab_size=40, model_type="char"), pairs)
+    composed = ["café crème brûlée", "señor niño"]
+    decomposed = [unicodedata.normalize("NFD", line) for line in composed]
+    assert decomposed != composed
+    assert tokenizer.encode_src(decomposed) == tokenizer.encode_src(composed)
+    assert tokenizer.encode_tgt(decomposed) == tokenizer.encode_tgt(composed)

@@ -1,19 +1,23 @@
 """Read parallel text from plain files, TSV, JSONL or HuggingFace datasets, with clear errors on bad input.
 
-Every line is decoded as UTF-8 (a bad byte names the file and line), stripped of a BOM and CRLF, and
-NFC-normalised so that visually equal text gets equal token ids.
+Every line is decoded as UTF-8 (a bad byte names the file and line) and stripped of a BOM, CRLF and
+surrounding spaces; nothing else changes: the target side is also what validation scores against,
+as given. Unicode normalisation belongs to the model's input, where SentencePiece applies NFKC
+(its default rule), so visually equal text gets equal token ids.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import itertools
 import json
-import unicodedata
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, TypeVar
+
+from tqdm import tqdm
 
 from seq2seq.config import CorpusConfig
 from seq2seq.errors import UserInputError
@@ -113,17 +117,33 @@ def chunked(items: Iterable[T], size: int) -> Iterator[list[T]]:
         yield chunk
 
 
+def with_progress(items: Iterable[T], desc: str, *, enabled: bool) -> Iterator[T]:
+    """`items` passed through a progress bar on stderr, shown from the first item on (a stream that
+    is never read shows none)."""
+    if not enabled:
+        yield from items
+        return
+    with tqdm(desc=desc, unit=" pairs", unit_scale=True, leave=False) as bar:
+        for item in items:
+            bar.update()
+            yield item
+
+
 def normalize(text: str) -> str:
-    return unicodedata.normalize("NFC", text.lstrip("\ufeff").strip())
+    """A line without its BOM, line end and surrounding spaces."""
+    return text.lstrip("\ufeff").strip()
 
 
 def _tsv_pairs(path: str) -> Iterator[tuple[str, str]]:
     for number, line in enumerate(read_lines(path), 1):
         if not line:
             continue
-        if "\t" not in line:
-            raise UserInputError(f"{path}:{number}: expected source<TAB>target, found no tab")
-        src, tgt = line.split("\t")[:2]
+        tabs = line.count("\t")
+        if tabs != 1:
+            raise UserInputError(
+                f"{path}:{number}: expected source<TAB>target (one tab), found {tabs or 'no'} tab{'s' * (tabs != 1)}"
+            )
+        src, tgt = line.split("\t")
         yield src.strip(), tgt.strip()
 
 
@@ -154,16 +174,47 @@ def _hf_pairs(corpus: CorpusConfig, *, src_lang: str, tgt_lang: str, key: str) -
                 f"{key}: the dataset's 'translation' column has languages {sorted(languages)}, "
                 f"not {missing} (set data.src_lang / data.tgt_lang)"
             )
-        for row in dataset["translation"]:
-            yield normalize(row[src_lang]), normalize(row[tgt_lang])
+        for number, row in enumerate(dataset["translation"]):
+            yield _hf_text(row.get(src_lang), key, number, src_lang), _hf_text(row.get(tgt_lang), key, number, tgt_lang)
     elif corpus.src_field in columns and corpus.tgt_field in columns:
-        for src, tgt in zip(dataset[corpus.src_field], dataset[corpus.tgt_field]):
-            yield normalize(src), normalize(tgt)
+        for number, (src, tgt) in enumerate(zip(dataset[corpus.src_field], dataset[corpus.tgt_field])):
+            yield _hf_text(src, key, number, corpus.src_field), _hf_text(tgt, key, number, corpus.tgt_field)
     else:
         raise UserInputError(
             f"{key}: the dataset has columns {columns}; expected 'translation' or "
             f"'{corpus.src_field}' and '{corpus.tgt_field}' (set {key}.src_field / {key}.tgt_field)"
         )
+
+
+def _hf_text(value: object, key: str, row: int, field: str) -> str:
+    if not isinstance(value, str):
+        raise UserInputError(f"{key}: row {row}: '{field}' is {type(value).__name__}; expected text")
+    return normalize(value)
+
+
+def corpus_identity(corpus: CorpusConfig, key: str) -> dict:
+    """What identifies a corpus's content, cheaply: the settings, and for each local file its path,
+    size and modification time (every file inside a folder, e.g. a `save_to_disk` dataset, not the
+    folder's own times, which a re-save need not change); for a hub dataset, its `datasets`
+    fingerprint. Caches and the tokenizer's record of its training data compare these."""
+    identity: dict = {"corpus": dataclasses.asdict(corpus)}
+    files = corpus.files()
+    if files:
+        identity["files"] = {name: _path_identity(Path(path)) for name, path in files.items()}
+    if corpus.format == "hf" and not corpus.path:
+        identity["fingerprint"] = getattr(_load_hf(corpus, key), "_fingerprint", None)
+    return identity
+
+
+def _path_identity(path: Path) -> list:
+    if path.is_dir():
+        return [[str(inner.relative_to(path)), *_stat(inner)] for inner in sorted(path.rglob("*")) if inner.is_file()]
+    return [str(path.resolve()), *_stat(path)]
+
+
+def _stat(path: Path) -> list[int]:
+    stat = path.stat()
+    return [stat.st_size, stat.st_mtime_ns]
 
 
 _DATA_FILE_BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".json": "json", ".jsonl": "json", ".csv": "csv"}
@@ -173,10 +224,15 @@ def _load_hf(corpus: CorpusConfig, key: str):
     """A datasets.Dataset from the hub (name/subset/split) or a local folder or file."""
     import datasets  # imported here: it is slow to import and only this source needs it
 
+    def split() -> str:
+        if corpus.split is None and key != "data.train":  # the default would silently read the training split
+            raise UserInputError(f"{key}.split: not set; expected the dataset's split for {key}, e.g. validation")
+        return corpus.split or "train"
+
     try:
         if corpus.path and Path(corpus.path).is_dir():
             loaded = datasets.load_from_disk(corpus.path)
-            return loaded[corpus.split] if isinstance(loaded, datasets.DatasetDict) else loaded
+            return loaded[split()] if isinstance(loaded, datasets.DatasetDict) else loaded
         if corpus.path:
             builder = _DATA_FILE_BUILDERS.get(Path(corpus.path).suffix)
             if builder is None:
@@ -185,7 +241,7 @@ def _load_hf(corpus: CorpusConfig, key: str):
                     f"{'/'.join(_DATA_FILE_BUILDERS)} file"
                 )
             return datasets.load_dataset(builder, data_files=corpus.path, split="train")
-        return datasets.load_dataset(corpus.name, corpus.subset, split=corpus.split)
+        return datasets.load_dataset(corpus.name, corpus.subset, split=split())
     except UserInputError:
         raise
     except Exception as exc:  # datasets raises many types (network, missing config, bad split)
