@@ -18,8 +18,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from seq2seq.config import Config, config_from_dict
+from seq2seq.config import Config, config_differences, config_from_dict, is_run_defining
 from seq2seq.errors import UserInputError
+from seq2seq.files import atomic_write, check_writable
 from seq2seq.model import Seq2SeqTransformer, build_model
 from seq2seq.tokenizer import Tokenizer
 
@@ -101,15 +102,12 @@ class Checkpoint:
         )
 
     def save(self, path: str | Path) -> None:
-        """Write to a temporary file in the same folder, fsync, then rename: a crash never leaves half a file."""
+        """Write atomically (files.atomic_write): a crash or a full disk never leaves half a file, and a
+        failed write removes its temporary file."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        with open(tmp, "wb") as handle:
+        with atomic_write(path) as handle:
             torch.save(self.to_state(), handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
 
     @classmethod
     def load(cls, path: str | Path) -> Checkpoint:
@@ -149,7 +147,13 @@ def load_for_inference(path: str | Path, device: torch.device | str = "cpu") -> 
 def save_numbered(folder: Path, checkpoint: Checkpoint, *, keep_last: int) -> Path:
     """Save as step_NNNNNNNN.pt, point last.pt at it, and delete all but the newest `keep_last` numbered ones."""
     path = folder / f"step_{checkpoint.progress.step:08d}.pt"
-    checkpoint.save(path)
+    try:
+        checkpoint.save(path)
+    except OSError as error:
+        previous = numbered_checkpoints(folder)
+        kept = f"the last good checkpoint is {previous[-1]}" if previous else "no earlier checkpoint exists"
+        raise UserInputError(f"{path}: could not be written ({error.strerror or error}); {kept}; "
+                             "free some space and continue with --resume") from None  # fmt: skip
     _link_latest(path, folder / LAST)
     for old in numbered_checkpoints(folder)[:-keep_last]:
         old.unlink()
@@ -174,11 +178,19 @@ def _link_latest(path: Path, latest: Path) -> None:
 
 def average_checkpoints(paths: list[Path], output: Path) -> None:
     """Mean of the model parameters of checkpoints of one run; the rest is taken from the last one."""
+    check_writable(output, what="output checkpoint")
     checkpoints = [Checkpoint.load(path) for path in paths]
-    names = set(checkpoints[0].model)
-    for path, checkpoint in zip(paths, checkpoints):
-        if set(checkpoint.model) != names:
+    first = checkpoints[0]
+    for path, checkpoint in zip(paths[1:], checkpoints[1:]):
+        differing = [key for key in config_differences(first.config, checkpoint.config) if is_run_defining(key)]
+        if differing:
+            raise UserInputError(f"{path}: {', '.join(differing)} differ from {paths[0]}'s; average checkpoints "
+                                 "of one run (same data, tokenizer and model)")  # fmt: skip
+        if checkpoint.tokenizer.protos() != first.tokenizer.protos():
+            raise UserInputError(f"{path}: its tokenizer differs from {paths[0]}'s; average checkpoints of one run")
+        if set(checkpoint.model) != set(first.model):
             raise UserInputError(f"{path}: its parameters differ from {paths[0]}'s; average checkpoints of one run")
+    names = set(first.model)
     averaged = {
         name: torch.stack([c.model[name].float() for c in checkpoints]).mean(0).to(checkpoints[0].model[name].dtype)
         for name in names

@@ -30,7 +30,7 @@ class CorpusConfig:
     tgt_field: str = "tgt"  # jsonl/hf flat columns: the target field
     name: str | None = None  # hf: a hub dataset name, e.g. wmt14
     subset: str | None = None  # hf: the dataset's config name, e.g. de-en
-    split: str = "train"  # hf: which split
+    split: str | None = None  # hf: which split; data.train reads 'train' if unset, valid and test must name theirs
 
     def problems(self) -> list[tuple[str, str]]:
         if self.format == "text" and not (self.src and self.tgt):
@@ -217,6 +217,33 @@ class Config:
         return _plain(dataclasses.asdict(self))
 
 
+# What a run trains: a resumed run must keep these keys, and only checkpoints that agree on them can
+# be averaged. Everything else (stop rules, logging, validation, decoding, the learning rate) may change.
+RUN_DEFINING_KEYS = ("data.train", "data.src_lang", "data.tgt_lang", "data.max_length", "data.max_length_ratio",
+                     "tokenizer", "model", "train.seed", "train.max_tokens", "train.accum_steps")  # fmt: skip
+
+
+def config_differences(first: Config, second: Config) -> dict[str, tuple[Any, Any]]:
+    """Dotted key -> (first value, second value) for every leaf key whose values differ."""
+    flat_first, flat_second = _flatten(first.to_dict()), _flatten(second.to_dict())
+    return {key: (flat_first.get(key), flat_second.get(key)) for key in sorted(flat_first.keys() | flat_second.keys())
+            if flat_first.get(key) != flat_second.get(key)}  # fmt: skip
+
+
+def is_run_defining(key: str) -> bool:
+    return any(key == prefix or key.startswith(prefix + ".") for prefix in RUN_DEFINING_KEYS)
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
 def _plain(value: Any) -> Any:
     if isinstance(value, dict):
         return {key: _plain(item) for key, item in value.items()}
@@ -247,15 +274,23 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
     overridden = apply_overrides(raw, overrides)
     config = _build_checked(raw, origin=str(path), overridden=overridden)
     missing = [
-        f"{path}: data.{split}.{key}: file not found: {file}"
+        f"{path}: data.{split}.{key}: {problem}: {file}"
         for split in ("train", "valid", "test")
         if (corpus := getattr(config.data, split)) is not None
         for key, file in corpus.files().items()
-        if not Path(file).exists()
+        if (problem := _data_path_problem(Path(file), folder_allowed=corpus.format == "hf"))
     ]
     if missing:
         raise UserInputError("\n".join(missing))
     return config
+
+
+def _data_path_problem(path: Path, *, folder_allowed: bool) -> str:
+    if not path.exists():
+        return "file not found"
+    if path.is_dir() and not folder_allowed:
+        return "is a directory; expected a text file"
+    return ""
 
 
 def config_from_dict(raw: dict[str, Any], origin: str) -> Config:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import matplotlib
@@ -10,12 +11,16 @@ matplotlib.use("Agg")  # files only; no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
+from seq2seq.config import DecodeConfig  # noqa: E402
 from seq2seq.data.batching import pad  # noqa: E402
 from seq2seq.errors import UserInputError  # noqa: E402
 from seq2seq.run_log import MetricsLog  # noqa: E402
-from seq2seq.search import greedy_search  # noqa: E402
+from seq2seq.search import search  # noqa: E402
 from seq2seq.special_tokens import BOS_ID  # noqa: E402
 from seq2seq.tokenizer import Tokenizer  # noqa: E402
+
+ATTENTION_PLOT_PIECES = 100  # pieces of each side an attention plot shows at most
+ATTENTION_PLOT_LINES = 5  # `translate --attention-plot` draws the first lines only
 
 
 def plot_training_curves(run_dir: str | Path) -> list[Path]:
@@ -63,10 +68,12 @@ def plot_training_curves(run_dir: str | Path) -> list[Path]:
 
 
 @torch.no_grad()
-def plot_attention(model, tokenizer: Tokenizer, lines: list[str], out_dir: str | Path) -> list[Path]:
-    """One PNG per line: cross-attention (target pieces x source pieces), averaged over heads, per layer."""
-    from seq2seq.config import DecodeConfig
-
+def plot_attention(
+    model, tokenizer: Tokenizer, lines: list[str], out_dir: str | Path, decode: DecodeConfig
+) -> list[Path]:
+    """One PNG per line: cross-attention (target pieces x source pieces) of the translation `decode`
+    finds, averaged over heads, per layer. At most ATTENTION_PLOT_PIECES pieces of each side are drawn:
+    the figure grows with them, and a 2,000-piece line once asked for gigabytes."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     device = next(model.parameters()).device
@@ -75,11 +82,12 @@ def plot_attention(model, tokenizer: Tokenizer, lines: list[str], out_dir: str |
         if not line.strip():
             continue
         src = pad([tokenizer.encode_src([line])[0]]).to(device)
-        hyp = greedy_search(model, src, DecodeConfig(beam=1))[0][0]
+        hyp = search(model, src, dataclasses.replace(decode, nbest=1))[0][0]
         tgt_in = torch.tensor([[BOS_ID, *hyp.tokens]], device=device)
-        maps = model.cross_attention(src, tgt_in)[:, 0].mean(1).float().cpu()  # (layers, T, S)
-        src_labels = tokenizer.src_pieces(line)
-        tgt_labels = tokenizer.tgt_pieces(hyp.tokens) + ["</s>"]
+        shown = ATTENTION_PLOT_PIECES
+        maps = model.cross_attention(src, tgt_in)[:, 0].mean(1).float().cpu()[:, :shown, :shown]  # (layers, T, S)
+        src_labels = tokenizer.src_pieces(line)[:shown]
+        tgt_labels = (tokenizer.tgt_pieces(hyp.tokens) + ["</s>"])[:shown]
         layers = maps.size(0)
         fig, axes = plt.subplots(
             1, layers, figsize=(1 + 0.35 * len(src_labels) * layers, 1 + 0.3 * len(tgt_labels)), squeeze=False

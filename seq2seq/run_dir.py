@@ -4,21 +4,27 @@ RUN_DIR/config.yaml      the resolved config (enough to reproduce the run)
 RUN_DIR/tokenizer/       the SentencePiece model(s), trained once
 RUN_DIR/checkpoints/     step_NNNNNNNN.pt, last.pt, best.pt (checkpoint.py)
 RUN_DIR/metrics.jsonl    one JSON record per log or validation step (run_log.py)
+RUN_DIR/train.log        the log lines stderr showed, appended by every start and resume
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
 from seq2seq.checkpoint import numbered_checkpoints
-from seq2seq.config import Config
-from seq2seq.data.prepare import TrainingData, prepare_training_data, stream_split
+from seq2seq.config import Config, config_differences, is_run_defining
+from seq2seq.data.prepare import TrainingData, prepare_training_data, read_split, stream_split
+from seq2seq.data.sources import corpus_identity, with_progress
 from seq2seq.distributed import DistributedContext
 from seq2seq.errors import UserInputError
+from seq2seq.files import write_text_atomic
 from seq2seq.tokenizer import Tokenizer, load_or_train_tokenizer, saved_tokenizer_exists
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -41,8 +47,15 @@ class RunDir:
     def metrics(self) -> Path:
         return self.root / "metrics.jsonl"
 
+    @property
+    def log(self) -> Path:
+        return self.root / "train.log"
+
     def check(self, *, resume: bool) -> None:
         """A new run needs a directory without checkpoints; a resumed one needs a checkpoint."""
+        for path in (self.root, *self.root.parents):
+            if path.exists() and not path.is_dir():
+                raise UserInputError(f"{path}: is a file; expected a run directory (or a path where one can be made)")
         existing = bool(numbered_checkpoints(self.checkpoints))
         if resume and not existing:
             raise UserInputError(f"--resume: {self.checkpoints} has no checkpoint to resume from")
@@ -52,22 +65,53 @@ class RunDir:
                 "or --run-dir to start a new run"
             )
 
+    def remove_stale_temporaries(self) -> None:
+        """Temporary files a killed process left half-written (files.atomic_write names them .NAME.tmp-PID)."""
+        for folder in (self.root, self.checkpoints, self.tokenizer):
+            for stale in folder.glob(".*.tmp-*") if folder.is_dir() else ():
+                stale.unlink(missing_ok=True)
+
     def latest_checkpoint(self) -> Path:
         return numbered_checkpoints(self.checkpoints)[-1]
 
 
-def prepare_run(config: Config, run_dir: RunDir, dist: DistributedContext) -> tuple[Tokenizer, TrainingData]:
-    """Write config.yaml, train or reuse the tokenizer and encode the data: rank 0 first, then the other
-    ranks reuse its tokenizer and encoding cache."""
+def check_resumable(stored: Config, given: Config, run_dir: RunDir) -> None:
+    """A resumed run keeps what it trains (RUN_DEFINING_KEYS); other keys may change, and are listed."""
+    differences = config_differences(stored, given)
+    fixed = [key for key in differences if is_run_defining(key)]
+    if fixed:
+        lines = [
+            f"--resume {run_dir.root}: {key}: {differences[key][0]!r} in the run, {differences[key][1]!r} given; "
+            "a resumed run must keep it (start a new run with --run-dir to change it)"
+            for key in fixed
+        ]
+        raise UserInputError("\n".join(lines))
+    for key, (before, after) in differences.items():
+        log.info("resume: %s changed from %r to %r", key, before, after)
+
+
+def prepare_run(
+    config: Config,
+    run_dir: RunDir,
+    dist: DistributedContext,
+    *,
+    tokenizer: Tokenizer | None = None,
+    progress: bool = False,
+) -> tuple[Tokenizer, TrainingData]:
+    """Write config.yaml, train or reuse the tokenizer (a resumed run passes its checkpoint's) and
+    encode the data: rank 0 first, then the other ranks reuse its tokenizer and encoding cache. The
+    validation split is read first: a problem in it shows before the long work."""
+    valid_text = read_split(config.data, "valid")
     if dist.is_main:
         run_dir.root.mkdir(parents=True, exist_ok=True)
-        run_dir.config_file.write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
-        tokenizer = _load_or_train_tokenizer(config, run_dir)
-        data = prepare_training_data(config.data, tokenizer)
+        run_dir.remove_stale_temporaries()
+        write_text_atomic(run_dir.config_file, yaml.safe_dump(config.to_dict(), sort_keys=False))
+        tokenizer = tokenizer or _load_or_train_tokenizer(config, run_dir, progress)
+        data = prepare_training_data(config.data, tokenizer, valid_text, progress=progress)
     dist.barrier()
     if not dist.is_main:
-        tokenizer = Tokenizer.load(run_dir.tokenizer)
-        data = prepare_training_data(config.data, tokenizer)
+        tokenizer = tokenizer or Tokenizer.load(run_dir.tokenizer)
+        data = prepare_training_data(config.data, tokenizer, valid_text)
     return tokenizer, data
 
 
@@ -75,9 +119,12 @@ def train_run_tokenizer(config: Config, run_dir: RunDir) -> Tokenizer:
     """`seq2seq tokenizer train`: a new tokenizer for the run; an existing one is never replaced."""
     if saved_tokenizer_exists(run_dir.tokenizer):
         raise UserInputError(f"{run_dir.tokenizer}: a tokenizer already exists; delete it to train a new one")
-    return _load_or_train_tokenizer(config, run_dir)
+    return _load_or_train_tokenizer(config, run_dir, progress=True)
 
 
-def _load_or_train_tokenizer(config: Config, run_dir: RunDir) -> Tokenizer:
-    pairs = stream_split(config.data, "train")  # read only if a tokenizer has to be trained
-    return load_or_train_tokenizer(run_dir.tokenizer, config.tokenizer, pairs, seed=config.train.seed)
+def _load_or_train_tokenizer(config: Config, run_dir: RunDir, progress: bool) -> Tokenizer:
+    # read only if a tokenizer has to be trained
+    pairs = with_progress(stream_split(config.data, "train"), "tokenizer: read data.train", enabled=progress)
+    data = {"langs": [config.data.src_lang, config.data.tgt_lang], **corpus_identity(config.data.train, "data.train")}
+    return load_or_train_tokenizer(run_dir.tokenizer, config.tokenizer, pairs, seed=config.train.seed,
+                                   data_identity=data)  # fmt: skip

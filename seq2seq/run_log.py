@@ -1,15 +1,38 @@
-"""Append-only metrics log (one JSON object per line) and memory figures for it."""
+"""What a run records as it goes: metrics.jsonl (one JSON object per line), train.log (the log lines
+that also go to stderr) and the memory figures the metrics carry."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
+import logging
 import os
 import resource
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+
+from seq2seq.files import write_text_atomic
+
+log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def log_to_file(path: Path) -> Iterator[None]:
+    """Copy the toolkit's log lines (those stderr shows) into `path`, appended, while the block runs."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s | %(levelname)s | %(message)s", "%Y-%m-%d %H:%M:%S"))
+    logger = logging.getLogger("seq2seq")
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        handler.close()
 
 
 class MetricsLog:
@@ -37,16 +60,29 @@ class MetricsLog:
             self._events.flush()
 
     def truncate_after(self, step: int) -> None:
-        """Forget records past `step`: a resumed run logs those steps again."""
+        """Forget records past `step` (a resumed run logs those steps again) and any torn line."""
         kept = [record for record in self.read() if record.get("step", 0) <= step]
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        tmp.write_text("".join(json.dumps(record) + "\n" for record in kept), encoding="utf-8")
-        tmp.replace(self.path)
+        write_text_atomic(self.path, "".join(json.dumps(record) + "\n" for record in kept))
 
     def read(self) -> list[dict]:
+        """The records; a line that is not a whole JSON object (what a kill or a full disk leaves in the
+        middle of an append) is skipped with a warning naming it."""
         if not self.path.exists():
             return []
-        return [json.loads(line) for line in self.path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        records = []
+        with open(self.path, "rb") as handle:
+            for number, raw in enumerate(handle, 1):
+                if not raw.strip():
+                    continue
+                try:
+                    record = json.loads(raw)
+                except ValueError:
+                    record = None
+                if isinstance(record, dict):
+                    records.append(record)
+                else:
+                    log.warning("%s:%d: not a whole metrics record (torn by a crash?); skipped", self.path, number)
+        return records
 
 
 def peak_memory_mb(device: torch.device) -> float:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import types
 import typing
@@ -81,11 +82,17 @@ def _convert(hint: Any, value: Any, key: str, errors: list[tuple[str, str]]) -> 
             return value
         errors.append((key, f"expected an integer, got {_describe(value)}"))
     elif hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str) and _FLOAT.match(value):  # PyYAML reads 1e-3 as a string
-            return float(value)
-        errors.append((key, f"expected a number, got {_describe(value)}"))
+        number = None
+        if (
+            isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            or isinstance(value, str)
+            and _FLOAT.match(value)
+        ):
+            number = float(value)
+        if number is not None and math.isfinite(number):  # .nan and .inf would pass every range check
+            return number
+        errors.append((key, f"expected a finite number, got {_describe(value)}"))
     elif hint is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)

@@ -6,7 +6,9 @@ the rest of the code can rely on them. Training here also decides when a saved t
 
 from __future__ import annotations
 
+import dataclasses
 import io
+import json
 import logging
 import os
 import random
@@ -18,10 +20,13 @@ import sentencepiece as spm
 
 from seq2seq.config import TokenizerConfig
 from seq2seq.errors import UserInputError
+from seq2seq.files import atomic_write, write_text_atomic
 from seq2seq.special_tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+
+TRAINED_ON = "trained_on.json"  # the settings and data identity a saved tokenizer was trained with
 
 
 class Tokenizer:
@@ -76,9 +81,8 @@ class Tokenizer:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         for name, proto in self.protos().items():
-            tmp = directory / f".{name}.model.tmp"
-            tmp.write_bytes(proto)
-            os.replace(tmp, directory / f"{name}.model")
+            with atomic_write(directory / f"{name}.model") as handle:
+                handle.write(proto)
 
     @classmethod
     def load(cls, directory: str | Path) -> Tokenizer:
@@ -95,18 +99,43 @@ def saved_tokenizer_exists(directory: str | Path) -> bool:
 
 
 def load_or_train_tokenizer(
-    directory: str | Path, config: TokenizerConfig, pairs: Iterable[tuple[str, str]], *, seed: int
+    directory: str | Path,
+    config: TokenizerConfig,
+    pairs: Iterable[tuple[str, str]],
+    *,
+    seed: int,
+    data_identity: dict | None = None,
 ) -> Tokenizer:
-    """Reuse the tokenizer saved in `directory`, or train one on `pairs` and save it there.
+    """Reuse the tokenizer saved in `directory` if it was trained with these settings on this data
+    (`data_identity`, recorded in TRAINED_ON next to it); else train one on `pairs` and save it there.
 
     `pairs` is consumed only when training, so a lazy stream of a large corpus costs nothing on reuse.
+    A tokenizer saved before this record existed is reused as it is.
     """
+    directory = Path(directory)
+    trained_on = {"settings": dataclasses.asdict(config), "seed": seed, "data": data_identity}
+    trained_on = json.loads(json.dumps(trained_on))  # tuples as lists, as read back from the file
     if saved_tokenizer_exists(directory):
-        return Tokenizer.load(directory)
+        recorded = _read_trained_on(directory)
+        if recorded is None or recorded == trained_on:
+            return Tokenizer.load(directory)
+        changed = [part for part in ("settings", "seed", "data") if recorded.get(part) != trained_on[part]]
+        log.warning(
+            "%s was trained on other %s; training a new tokenizer for this run", directory, " and ".join(changed)
+        )
     tokenizer = train_tokenizer(config, pairs, seed=seed)
     tokenizer.save(directory)
+    write_text_atomic(directory / TRAINED_ON, json.dumps(trained_on, indent=1) + "\n")
     log.info("trained tokenizer: %d source / %d target pieces", tokenizer.src_vocab_size, tokenizer.tgt_vocab_size)
     return tokenizer
+
+
+def _read_trained_on(directory: Path) -> dict | None:
+    try:
+        recorded = json.loads((directory / TRAINED_ON).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return recorded if isinstance(recorded, dict) else None
 
 
 def train_tokenizer(config: TokenizerConfig, pairs: Iterable[tuple[str, str]], *, seed: int = 1) -> Tokenizer:

@@ -7,6 +7,7 @@ checkpoint format, checkpoint.py.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -23,8 +24,8 @@ from seq2seq.data.batching import epoch_batches, make_batch
 from seq2seq.distributed import setup_distributed
 from seq2seq.errors import UserInputError
 from seq2seq.model import build_model
-from seq2seq.run_dir import RunDir, prepare_run
-from seq2seq.run_log import MetricsLog, memory_figures
+from seq2seq.run_dir import RunDir, check_resumable, prepare_run
+from seq2seq.run_log import MetricsLog, log_to_file, memory_figures
 from seq2seq.schedule import learning_rate
 from seq2seq.train_step import StepResult, autocast, build_optimizer, build_scaler, train_step
 from seq2seq.validation import ValidationResult, validate
@@ -85,8 +86,25 @@ class Trainer:
         if tc.precision == "fp16" and self.device.type != "cuda":
             raise UserInputError("train.precision: fp16 needs a CUDA GPU (loss scaling); use bf16 or fp32 on CPU")
         self.run_dir.check(resume=resume)
+        resumed = None
+        if resume:  # the checkpoint and the config are checked before the run directory is touched
+            resumed_path = self.run_dir.latest_checkpoint()
+            resumed = Checkpoint.load(resumed_path)
+            check_resumable(resumed.config, config, self.run_dir)
+        self._log_file = contextlib.ExitStack()  # RUN_DIR/train.log, until run() ends
+        if self.dist.is_main:
+            self._log_file.enter_context(log_to_file(self.run_dir.log))
+        try:
+            self._prepare(resumed, resumed_path if resumed else None)
+        except BaseException:
+            self._log_file.close()
+            raise
+
+    def _prepare(self, resumed: Checkpoint | None, resumed_path: Path | None) -> None:
+        config, tc = self.config, self.config.train
         torch.manual_seed(tc.seed)
-        self.tokenizer, self.data = prepare_run(config, self.run_dir, self.dist)
+        self.tokenizer, self.data = prepare_run(config, self.run_dir, self.dist, progress=self.show_progress,
+                                                tokenizer=resumed.tokenizer if resumed else None)  # fmt: skip
         self.model = build_model(config.model, self.tokenizer).to(self.device)
         if self.dist.enabled:  # same initial weights everywhere (DDP also broadcasts them); own dropout streams
             torch.manual_seed(tc.seed + 7919 * self.dist.rank)
@@ -99,13 +117,17 @@ class Trainer:
         self.last_step: StepResult | None = None
         self.skipped = SkippedUpdates(self.device)
         self.metrics = MetricsLog(self.run_dir.metrics, tensorboard=self.dist.is_main)
-        if resume:
-            self._restore(self.run_dir.latest_checkpoint())
+        if resumed is not None:
+            self._restore(resumed, resumed_path)
 
     def autocast(self):
         return autocast(self.device, self.config.train.precision)
 
     def run(self) -> TrainResult:
+        with self._log_file:
+            return self._run()
+
+    def _run(self) -> TrainResult:
         tc, progress, dist = self.config.train, self.progress, self.dist
         per_update = tc.accum_steps * dist.world_size  # batches consumed by one optimizer update
         log.info("model: %.2fM parameters; training on %s", _parameter_count(self.model) / 1e6, self.device)
@@ -117,7 +139,7 @@ class Trainer:
         window_loss = torch.zeros((), dtype=torch.float64, device=self.device)
         window_loss_tokens = torch.zeros_like(window_loss)
         window_tokens, window_start = 0, time.perf_counter()
-        stop_reason = ""
+        stop_reason = self._stop_reason(check_clock=True)  # a resumed run may have finished already
         while not stop_reason:
             batches = epoch_batches(self.data.train, max_tokens=tc.max_tokens, seed=tc.seed, epoch=progress.epoch)
             if len(batches) < per_update:
@@ -266,8 +288,7 @@ class Trainer:
         if self.dist.is_main:
             save_numbered(self.run_dir.checkpoints, self._checkpoint(rng_states), keep_last=self.config.train.keep_last)
 
-    def _restore(self, path: Path) -> None:
-        checkpoint = Checkpoint.load(path)
+    def _restore(self, checkpoint: Checkpoint, path: Path) -> None:
         self.model.load_state_dict(checkpoint.model)
         self.optimizer.load_state_dict(checkpoint.optimizer)
         self.scaler.load_state_dict(checkpoint.scaler)

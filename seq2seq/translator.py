@@ -14,19 +14,21 @@ the engine the path needs.
 from __future__ import annotations
 
 import contextlib
+import io
 import itertools
 import json
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from tqdm import tqdm
 
 from seq2seq.config import DecodeConfig, decode_config_with
 from seq2seq.data.sources import chunked, decode_lines, read_lines
 from seq2seq.errors import UserInputError
+from seq2seq.files import atomic_write, check_writable
 
 EXPORT_METADATA = "seq2seq_export.json"  # marks a directory written by `seq2seq export`
 
@@ -124,6 +126,13 @@ def translate_file(
     """`seq2seq translate`: `model` is a checkpoint or an exported directory; `source` and `output` are
     paths or "-" (stdin, stdout). With n-best > 1 each line becomes `index ||| text ||| score` lines.
     Returns the attention plots written, if asked for."""
+    if source != "-" and not Path(source).is_file():
+        problem = "is a directory" if Path(source).is_dir() else "file not found"
+        raise UserInputError(f"{source}: {problem}; expected a text file with one sentence per line (or - for stdin)")
+    if output != "-":
+        check_writable(output)
+    if attention_plot is not None and attention_plot.exists() and not attention_plot.is_dir():
+        raise UserInputError(f"--attention-plot {attention_plot}: is a file; expected a folder for the PNG files")
     translator = Translator.load(model, device=device)
     decode = translator.settings(decode_overrides)
     if attention_plot is not None and translator.bundle is None:
@@ -134,10 +143,10 @@ def translate_file(
     bar = tqdm(desc="translate", unit="sent", disable=source == "-" or stream)
     results = (result for chunk in itertools.chain([first_chunk], chunks)
                for result in _translated(translator, chunk, decode, bar))  # fmt: skip
-    with contextlib.nullcontext(sys.stdout) if output == "-" else open(output, "w", encoding="utf-8") as sink:
+    with _output(output) as sink:
         for index, result in enumerate(results):
-            if decode.nbest > 1:
-                sink.writelines(f"{index} ||| {text} ||| {value:.4f}\n" for text, value in result.nbest)
+            if decode.nbest > 1:  # an empty input line keeps its row: the empty translation
+                sink.writelines(f"{index} ||| {text} ||| {value:.4f}\n" for text, value in result.nbest or [("", 0.0)])
             else:
                 sink.write(result.text + "\n")
             if stream:
@@ -145,9 +154,22 @@ def translate_file(
     bar.close()
     if attention_plot is None or not first_chunk:
         return []
-    from seq2seq.plots import plot_attention  # matplotlib only when asked for
+    from seq2seq.plots import ATTENTION_PLOT_LINES, plot_attention  # matplotlib only when asked for
 
-    return plot_attention(translator.bundle.model, translator.bundle.tokenizer, first_chunk[:5], attention_plot)
+    return plot_attention(translator.bundle.model, translator.bundle.tokenizer, first_chunk[:ATTENTION_PLOT_LINES],
+                          attention_plot, decode)  # fmt: skip
+
+
+@contextlib.contextmanager
+def _output(output: str) -> Iterator[TextIO]:
+    """stdout, or a file that appears under its name only once every line is written."""
+    if output == "-":
+        yield sys.stdout
+        return
+    with atomic_write(output) as handle:
+        text = io.TextIOWrapper(handle, encoding="utf-8", write_through=True)
+        yield text
+        text.detach()  # atomic_write closes the file
 
 
 def _translated(translator: Translator, lines: list[str], decode: DecodeConfig, bar: tqdm) -> Iterator[Translation]:

@@ -1,13 +1,13 @@
 """On-disk cache of encoded training data, so a second or resumed run skips reading and encoding.
 
-An entry is keyed by what determines its content: the corpus settings, each local data file's
-path, size and modification time, the tokenizer models and the length filters. A changed file or
+An entry is keyed by what determines its content: the corpus's identity (sources.corpus_identity:
+its settings, each local data file's path, size and modification time, every file of a dataset
+folder, a hub dataset's fingerprint), the tokenizer models and the length filters. A changed file or
 tokenizer gives a new key; entries are written to a temporary folder and renamed into place.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -18,15 +18,15 @@ from pathlib import Path
 
 from seq2seq.config import CorpusConfig
 from seq2seq.data.encoded import EncodedCorpus
+from seq2seq.data.sources import corpus_identity
 from seq2seq.tokenizer import Tokenizer
 
-CACHE_VERSION = 2  # 2: raw .bin id files, appended chunk by chunk
+CACHE_VERSION = 3  # 2: raw .bin id files, appended chunk by chunk; 3: content identity of dataset folders
 
 
-def cache_key(corpus: CorpusConfig, *, tokenizer: Tokenizer, settings: dict) -> str:
+def cache_key(corpus: CorpusConfig, *, tokenizer: Tokenizer, settings: dict, key: str = "data.train") -> str:
     digest = hashlib.sha256()
-    files = {key: _file_identity(path) for key, path in corpus.files().items()}
-    description = {"version": CACHE_VERSION, "corpus": dataclasses.asdict(corpus), "files": files, **settings}
+    description = {"version": CACHE_VERSION, "corpus": corpus_identity(corpus, key), **settings}
     digest.update(json.dumps(description, sort_keys=True).encode())
     for name, proto in sorted(tokenizer.protos().items()):
         digest.update(name.encode() + proto)
@@ -60,8 +60,3 @@ def new_entry(entry: Path) -> Iterator[Path]:
 
 def write_report(folder: Path, report: dict) -> None:
     (folder / "report.json").write_text(json.dumps(report))
-
-
-def _file_identity(path: str) -> list:
-    stat = Path(path).stat()
-    return [str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns]

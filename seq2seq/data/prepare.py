@@ -15,7 +15,7 @@ from pathlib import Path
 from seq2seq.config import DataConfig
 from seq2seq.data import cache
 from seq2seq.data.encoded import EncodedCorpus, FilterReport, encode_chunks, encode_pairs, length_filter, write_corpus
-from seq2seq.data.sources import PairCounts, ParallelText, iter_pairs, read_corpus
+from seq2seq.data.sources import PairCounts, ParallelText, iter_pairs, read_corpus, with_progress
 from seq2seq.errors import UserInputError
 from seq2seq.tokenizer import Tokenizer
 
@@ -46,11 +46,11 @@ def read_split(data: DataConfig, split: str) -> ParallelText:
     return text
 
 
-def encode_training_split(data: DataConfig, tokenizer: Tokenizer) -> EncodedCorpus:
+def encode_training_split(data: DataConfig, tokenizer: Tokenizer, *, progress: bool = False) -> EncodedCorpus:
     """The filtered training ids: from the cache when this data and tokenizer were encoded before."""
     report: dict = {}
     if not data.cache_dir:
-        corpus = EncodedCorpus.concatenate(list(_filtered_chunks(data, tokenizer, report)))
+        corpus = EncodedCorpus.concatenate(list(_filtered_chunks(data, tokenizer, report, progress)))
         _log_report(report, "")
         return corpus
     settings = {"langs": [data.src_lang, data.tgt_lang], "max_length": data.max_length,
@@ -59,7 +59,7 @@ def encode_training_split(data: DataConfig, tokenizer: Tokenizer) -> EncodedCorp
     cached, source = cache.load_cached(entry), f" (from the cache {entry})"
     if cached is None:
         with cache.new_entry(entry) as folder:
-            write_corpus(folder, _filtered_chunks(data, tokenizer, report))
+            write_corpus(folder, _filtered_chunks(data, tokenizer, report, progress))
             cache.write_report(folder, report)
         cached, source = cache.load_cached(entry), f"; cached in {entry}"
     corpus, report = cached
@@ -67,11 +67,12 @@ def encode_training_split(data: DataConfig, tokenizer: Tokenizer) -> EncodedCorp
     return corpus
 
 
-def _filtered_chunks(data: DataConfig, tokenizer: Tokenizer, report: dict) -> Iterator[EncodedCorpus]:
+def _filtered_chunks(data: DataConfig, tokenizer: Tokenizer, report: dict, progress: bool) -> Iterator[EncodedCorpus]:
     """The training split streamed through the tokenizer and the length filters, chunk by chunk; once
     exhausted, `report` holds the counts of what was read, removed and kept."""
     counts, filtered = PairCounts(), FilterReport(0, 0, 0)
-    for chunk in encode_chunks(tokenizer, stream_split(data, "train", counts)):
+    pairs = with_progress(stream_split(data, "train", counts), "encode data.train", enabled=progress)
+    for chunk in encode_chunks(tokenizer, pairs):
         keep, chunk_report = length_filter(chunk, max_length=data.max_length, max_ratio=data.max_length_ratio)
         yield chunk.subset(keep)
         filtered += chunk_report
@@ -83,9 +84,11 @@ def _filtered_chunks(data: DataConfig, tokenizer: Tokenizer, report: dict) -> It
                   bad_ratio=filtered.bad_ratio, kept=filtered.kept)  # fmt: skip
 
 
-def prepare_training_data(data: DataConfig, tokenizer: Tokenizer) -> TrainingData:
-    train = encode_training_split(data, tokenizer)
-    valid_text = read_split(data, "valid")
+def prepare_training_data(
+    data: DataConfig, tokenizer: Tokenizer, valid_text: ParallelText | None = None, *, progress: bool = False
+) -> TrainingData:
+    valid_text = valid_text if valid_text is not None else read_split(data, "valid")
+    train = encode_training_split(data, tokenizer, progress=progress)
     valid = encode_pairs(tokenizer, zip(valid_text.src, valid_text.tgt))
     return TrainingData(train, valid, valid_text)
 

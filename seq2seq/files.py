@@ -1,0 +1,53 @@
+"""Files the toolkit writes: checked before the work that produces them, written atomically.
+
+An output path is checked before minutes of translation or training are spent on its content; a
+file is written to a temporary name in the same folder, flushed to disk and renamed, so a crash or a
+full disk never leaves half a file under the real name, and a failed write removes its temporary
+file instead of leaving it to hold the space a retry needs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+from seq2seq.errors import UserInputError
+
+
+def check_writable(path: str | Path, *, what: str = "output file") -> None:
+    """Fail now, in one line, if `path` cannot be written later: its folder is missing or read-only,
+    or it is a directory."""
+    path = Path(path)
+    folder = path.parent
+    if path.is_dir():
+        raise UserInputError(f"{path}: is a directory; expected an {what} path")
+    if not folder.is_dir():
+        problem = "is not a directory" if folder.exists() else "does not exist"
+        raise UserInputError(f"{path}: the folder {folder} {problem}; expected an {what} in an existing folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UserInputError(f"{path}: the folder {folder} is not writable; expected a writable folder")
+
+
+@contextlib.contextmanager
+def atomic_write(path: str | Path) -> Iterator[BinaryIO]:
+    """A binary handle whose content replaces `path` only when the block completes; on any failure the
+    temporary file is deleted and `path` is left as it was."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as handle:
+            yield handle
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    with atomic_write(path) as handle:
+        handle.write(text.encode("utf-8"))
