@@ -1,10 +1,14 @@
 """The `seq2seq` command line: each command parses options, loads the config and calls one library function.
 
-Bad input (UserInputError) becomes one line per problem on stderr and exit code 2.
+The one boundary for errors (`user_errors`): bad input (UserInputError) and operating-system errors
+on a user's path (missing, a directory, not writable, disk full) become one line per problem on
+stderr and exit code 2; anything else is a bug, reported in one line with exit 1. `--debug` (or
+SEQ2SEQ_DEBUG=1) shows the traceback instead.
 """
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 import os
@@ -15,15 +19,45 @@ from typing import Annotated, Optional
 
 import typer
 from tqdm import tqdm
+from typer.core import TyperGroup
+
+try:  # recent typer ships its own copy of click
+    from typer._click.exceptions import NoArgsIsHelpError, UsageError
+except ImportError:  # pragma: no cover - older typer on click
+    from click.exceptions import NoArgsIsHelpError, UsageError
 
 from seq2seq.errors import UserInputError
 
+class _OneLineUsageErrors(TyperGroup):
+    """Command-line mistakes (an unknown option, a bad flag value, a missing argument) as one line
+    and exit 2, like every other bad input, instead of click's usage block."""
+
+    def main(self, *args, **kwargs):
+        standalone = kwargs.pop("standalone_mode", True)
+        try:
+            result = super().main(*args, standalone_mode=False, **kwargs)
+        except NoArgsIsHelpError as error:  # `seq2seq` or `seq2seq tokenizer` alone: the help
+            error.show()
+            result = error.exit_code
+        except UsageError as error:
+            command = f"{error.ctx.command_path}: " if error.ctx is not None else ""
+            typer.echo(f"error: {command}{error.format_message()} (see --help)", err=True)
+            result = 2
+        except typer.Abort:
+            typer.echo("interrupted", err=True)
+            result = 130
+        if not standalone:
+            return result
+        sys.exit(result if isinstance(result, int) else 0)
+
+
 app = typer.Typer(
+    cls=_OneLineUsageErrors,
     help="Train and use encoder-decoder Transformer translation models.\n\n"
     "Quick start: seq2seq demo   (synthetic data -> tokenizer -> model -> translations -> BLEU)",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
-    add_completion=False,
+    rich_markup_mode=None,  # help texts are plain text: "[default: ...]" must not be read as markup
 )
 tokenizer_app = typer.Typer(help="SentencePiece tokenizer commands.", no_args_is_help=True)
 app.add_typer(tokenizer_app, name="tokenizer")
@@ -46,30 +80,102 @@ class _TqdmHandler(logging.Handler):
         tqdm.write(self.format(record), file=sys.stderr)
 
 
+LOG_LEVEL_VARIABLE = "SEQ2SEQ_LOG_LEVEL"
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
 def _setup_logging() -> None:
+    """Log lines go to stderr (stdout carries only results); --log-level / --quiet choose how many."""
     handler = _TqdmHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s | %(message)s", "%H:%M:%S"))
     root = logging.getLogger("seq2seq")
     root.handlers[:] = [handler]
     is_main_rank = int(os.environ.get("RANK", "0")) == 0  # under torchrun, rank 0 alone reports progress
-    root.setLevel(logging.INFO if is_main_rank else logging.WARNING)
+    level = os.environ.get(LOG_LEVEL_VARIABLE, "info").upper()
+    root.setLevel(getattr(logging, level) if is_main_rank else max(logging.WARNING, getattr(logging, level)))
+
+
+DEBUG_VARIABLE = "SEQ2SEQ_DEBUG"
+
+
+def _debugging() -> bool:
+    return os.environ.get(DEBUG_VARIABLE, "") not in ("", "0")
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        typer.echo(f"seq2seq {version('seq2seq')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    debug: Annotated[
+        bool, typer.Option("--debug", help=f"Show Python tracebacks for errors (or set {DEBUG_VARIABLE}=1).")
+    ] = False,
+    log_level: Annotated[
+        str, typer.Option("--log-level", help=f"How much to log on stderr: {', '.join(LOG_LEVELS)}.")
+    ] = "info",
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Only warnings and errors on stderr.")] = False,
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    # options for every command; they go before it: seq2seq --log-level warning train ...
+    if log_level.lower() not in LOG_LEVELS:
+        typer.echo(f"error: --log-level {log_level}: expected one of {', '.join(LOG_LEVELS)}", err=True)
+        raise typer.Exit(2)
+    # environment variables: also seen by the processes torchrun starts
+    os.environ[LOG_LEVEL_VARIABLE] = "warning" if quiet else log_level.lower()
+    if debug:
+        os.environ[DEBUG_VARIABLE] = "1"
+
+
+def _describe_os_error(error: OSError) -> str:
+    """One line naming the path and what was expected, for the OS errors a user's path can cause."""
+    path = error.filename if error.filename is not None else "a file"
+    expected = {
+        errno.ENOENT: "expected an existing path",
+        errno.EISDIR: "expected a file, not a directory",
+        errno.ENOTDIR: "expected a directory along this path",
+        errno.EACCES: "expected permission to read or write it",
+        errno.EROFS: "expected a writable file system",
+        errno.ENOSPC: "free some space and run again (--resume continues a training run)",
+        errno.EDQUOT: "free some space and run again (--resume continues a training run)",
+    }.get(error.errno, "expected a readable or writable path")
+    return f"{path}: {error.strerror or type(error).__name__}; {expected}"
 
 
 def user_errors(command):
-    """Report UserInputError as one line per problem and exit 2, never a traceback."""
+    """The error boundary of every command: one line per problem, never a traceback (unless --debug)."""
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
         _setup_logging()
         try:
             return command(*args, **kwargs)
-        except UserInputError as exc:
-            for line in str(exc).splitlines():
-                typer.echo(f"error: {line}", err=True)
-            raise typer.Exit(2) from None
+        except (typer.Exit, typer.Abort):
+            raise
         except KeyboardInterrupt:
             typer.echo("interrupted; the last checkpoint is kept (resume with --resume RUN_DIR)", err=True)
             raise typer.Exit(130) from None
+        except Exception as error:
+            if _debugging():
+                raise
+            code, lines = 1, [f"internal error: {type(error).__name__}: {error}"]
+            if isinstance(error, UserInputError):
+                code, lines = 2, str(error).splitlines()
+            elif isinstance(error, OSError) and (
+                error.filename is not None or error.errno in (errno.ENOSPC, errno.EDQUOT)
+            ):
+                code, lines = 2, [_describe_os_error(error)]
+            else:
+                lines.append("this is a bug in seq2seq; run again with --debug for the traceback and report it")
+            for line in lines:
+                typer.echo(f"error: {line}", err=True)
+            raise typer.Exit(code) from None
 
     return wrapper
 
@@ -199,35 +305,95 @@ def translate(
         typer.echo(f"attention plots: {', '.join(map(str, written))}", err=True)
 
 
+RefsOption = Annotated[
+    list[Path], typer.Option("--ref", help="Reference translations, one per line (repeat for several references).")
+]
+MetricsOption = Annotated[
+    str, typer.Option("--metrics", help="Comma-separated, of bleu, chrf, chrf++, ter (as sacrebleu computes them).")
+]
+TokenizeOption = Annotated[
+    Optional[str],  # noqa: UP045
+    typer.Option(
+        "--tokenize",
+        help="BLEU tokenizer, as sacrebleu's --tokenize (13a, intl, zh, char, none, ...) [default: 13a].",
+        show_default=False,
+    ),  # fmt: skip
+]
+LowercaseOption = Annotated[bool, typer.Option("--lowercase", "-lc", help="Case-insensitive scores.")]
+JsonOption = Annotated[
+    Optional[Path],  # noqa: UP045
+    typer.Option("--json", help="Also write a JSON report (scores, details, signatures) here.", show_default=False),
+]
+
+
+def _score_options(metrics: str, tokenize: str | None, lowercase: bool):
+    from seq2seq.scoring import ScoreOptions
+
+    names = tuple(name.strip().lower() for name in metrics.split(",") if name.strip())
+    return ScoreOptions(metrics=names, tokenize=tokenize, lowercase=lowercase)
+
+
 @app.command("eval")
 @user_errors
 def evaluate(
     checkpoint: CheckpointOption,
     src: Annotated[Path, typer.Option("--src", help="Source sentences, one per line.")],
-    ref: Annotated[Path, typer.Option("--ref", help="Reference translations, one per line.")],
+    refs: RefsOption,
     beam: BeamOption = None,
-    json_path: Annotated[
-        Optional[Path], typer.Option("--json", help="Also write a JSON report here.", show_default=False)  # noqa: UP045
-    ] = None,
+    metrics: MetricsOption = "bleu,chrf",
+    tokenize: TokenizeOption = None,
+    lowercase: LowercaseOption = False,
+    json_path: JsonOption = None,
     hypotheses_path: Annotated[
         Optional[Path], typer.Option("--hyps", help="Also write the translations here.", show_default=False)  # noqa: UP045
     ] = None,
 ) -> None:
-    """Translate --src and score it against --ref with sacrebleu (BLEU and chrF, with signatures).
+    """Translate --src and score it against --ref with sacrebleu (scores with their signatures).
 
-    Example: seq2seq eval -c runs/demo/checkpoints/best.pt --src data/demo/test.en --ref data/demo/test.xx
+    Examples:
+      seq2seq eval -c runs/demo/checkpoints/best.pt --src data/demo/test.en --ref data/demo/test.xx
+      seq2seq eval -c models/bible-int8 --src test.en --ref test.es --ref test2.es --metrics bleu,chrf++,ter
     """
     from seq2seq.evaluate import evaluate_files
 
-    evaluation = evaluate_files(checkpoint, src=src, ref=ref, decode_overrides=_decode_overrides(None, beam, None),
-                                hypotheses_path=hypotheses_path, json_path=json_path)  # fmt: skip
+    options = _score_options(metrics, tokenize, lowercase)
+    evaluation = evaluate_files(checkpoint, src=src, refs=refs, decode_overrides=_decode_overrides(None, beam, None),
+                                options=options, hypotheses_path=hypotheses_path, json_path=json_path)  # fmt: skip
     typer.echo(evaluation.scores.describe())
 
 
 @app.command()
 @user_errors
+def score(
+    hyp: Annotated[Path, typer.Option("--hyp", help="Translations to score, one per line.")],
+    refs: RefsOption,
+    metrics: MetricsOption = "bleu,chrf",
+    tokenize: TokenizeOption = None,
+    lowercase: LowercaseOption = False,
+    json_path: JsonOption = None,
+) -> None:
+    """Score existing translations against references: the same figures as `sacrebleu REF... -i HYP`.
+
+    Example: seq2seq score --hyp test.out --ref data/bible/test.es --metrics bleu,chrf,ter
+    """
+    from seq2seq.evaluate import score_files
+
+    typer.echo(
+        score_files(hyp, refs, options=_score_options(metrics, tokenize, lowercase), json_path=json_path).describe()
+    )
+
+
+@app.command()
+@user_errors
 def demo(
-    config: Annotated[Path, typer.Option("--config", help="The demo config.")] = Path("configs/demo.yaml"),
+    config: Annotated[
+        Optional[Path],  # noqa: UP045
+        typer.Option(
+            "--config",
+            help="The demo config [default: the one shipped in the package, = configs/demo.yaml].",
+            show_default=False,
+        ),  # fmt: skip
+    ] = None,
     overrides: SetOption = None,
     run_dir: Annotated[Path, typer.Option("--run-dir", help="Where the run goes (replaced).")] = Path("runs/demo"),
     quiet: Annotated[bool, typer.Option("--quiet", help="No progress bars.")] = False,
