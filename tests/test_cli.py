@@ -136,9 +136,11 @@ def test_eval_prints_signatures_and_writes_json(trained_run, tmp_path):
         "1",
     )
     assert result.exit_code == 0, result.output
-    assert "BLEU = " in result.stdout and "nrefs:1|case:mixed" in result.stdout and "chrF = " in result.stdout
+    assert "BLEU = " in result.stdout and "nrefs:1|case:mixed" in result.stdout and "chrF2 = " in result.stdout
     parsed = json.loads(report.read_text())
-    assert parsed["sentences"] == 30 and 0.0 <= parsed["bleu"] <= 100.0 and parsed["beam"] == 1
+    assert parsed["sentences"] == 30 and parsed["beam"] == 1 and [s["name"] for s in parsed["scores"]] == ["BLEU", "chrF2"]
+    bleu = parsed["scores"][0]
+    assert 0.0 <= bleu["score"] <= 100.0 and len(bleu["precisions"]) == 4 and bleu["signature"] in result.stdout
 
 
 def test_average_plot_and_attention_plot(trained_run, tmp_path):
@@ -205,8 +207,8 @@ def test_run_directory_and_checkpoint_errors(trained_run, tmp_path):
         invoke(
             "eval", "-c", run_dir / "checkpoints" / "last.pt", "--src", data / "test.en", "--ref", data / "train.xx"
         ),
-        "has 30 lines but",
-        "has 2000",
+        "train.xx has 2000 lines but",
+        "test.en has 30",
     )
 
 

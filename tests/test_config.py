@@ -53,7 +53,9 @@ def test_unknown_section_lists_the_valid_ones(tmp_path, tiny_data):
         ("model", "d_model", 102, "model.d_model: expected a multiple of heads (4), got 102"),
         ("model", "norm", "middle", "model.norm: expected one of post, pre; got 'middle'"),
         ("train", "warmup_steps", -1, "train.warmup_steps: expected a number >= 0"),
-        ("train", "lr", "fast", "train.lr: expected a number, got 'fast'"),
+        ("train", "lr", "fast", "train.lr: expected a finite number, got 'fast'"),
+        ("train", "lr", float("nan"), "train.lr: expected a finite number, got nan"),
+        ("train", "clip_norm", float("inf"), "train.clip_norm: expected a finite number, got inf"),
         ("train", "betas", [0.9], "train.betas: expected a list of 2 items, got a list"),
         ("train", "precision", "fp8", "train.precision: expected one of fp32, bf16, fp16; got 'fp8'"),
         ("decode", "nbest", 9, "decode.nbest: expected at most beam (2), got 9"),
@@ -117,7 +119,7 @@ def test_overrides_apply_with_the_same_validation(tmp_path, tiny_data):
     assert config.train.lr == 0.001
     assert config.model.norm == "post"
     assert config.train.betas == (0.8, 0.9)
-    assert error_of(path, ["train.lr=abc"]) == "--set train.lr: train.lr: expected a number, got 'abc'"
+    assert error_of(path, ["train.lr=abc"]) == "--set train.lr: train.lr: expected a finite number, got 'abc'"
     assert error_of(path, ["train.lrr=1"]) == "--set train.lrr: train.lrr: unknown key; did you mean 'train.lr'?"
     assert "expected KEY=VALUE" in error_of(path, ["train.lr"])
 

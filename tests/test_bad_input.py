@@ -1,0 +1,225 @@
+"""Every command against every kind of bad input it takes: one line naming the path, key or line and
+what was expected, exit code 2, no traceback, found before the expensive work, and nothing lost."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from seq2seq.cli import app
+
+from .conftest import tiny_config_dict
+
+runner = CliRunner()
+
+
+@dataclass
+class Paths:
+    """A small world for the cases: a trained run, its data, a config and some bad files."""
+
+    root: Path
+    data: Path
+    run: Path
+    checkpoint: Path
+    config: Path
+    folder: Path  # an existing directory where a file is expected
+    file: Path  # an existing file where a directory is expected
+    junk: Path  # a file that is not what it claims to be
+    latin1: Path  # not UTF-8 on line 2
+    missing: Path  # does not exist
+    nowhere: Path  # a file in a folder that does not exist
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, trained_checkpoint) -> Paths:
+    checkpoint, data = trained_checkpoint
+    root = tmp_path_factory.mktemp("bad")
+    config = root / "tiny.yaml"
+    config.write_text(yaml.safe_dump(tiny_config_dict(data)))
+    (root / "folder").mkdir()
+    (root / "file.txt").write_text("a file\n")
+    (root / "junk.pt").write_bytes(b"not a checkpoint")
+    (root / "latin1.txt").write_bytes("first line\nsecond l\xe9ne\n".encode("latin-1"))
+    bad = {"folder": root / "folder", "file": root / "file.txt",
+           "junk": root / "junk.pt", "latin1": root / "latin1.txt",
+           "missing": root / "missing.txt", "nowhere": root / "no" / "such" / "out.txt"}  # fmt: skip
+    return Paths(root, data, checkpoint.parent.parent, checkpoint, config, **bad)
+
+
+@dataclass
+class Case:
+    args: Callable[[Paths], list]
+    fragments: Callable[[Paths], list[str]]
+    input: str | None = None
+    not_created: Callable[[Paths], list[Path]] = field(default=lambda w: [])  # outputs that must not appear
+
+
+def _config_with(world: Paths, name: str, change: Callable[[dict], None]) -> Path:
+    raw = tiny_config_dict(world.data)
+    change(raw)
+    path = world.root / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def _tsv_with_two_tabs(world: Paths) -> Path:
+    path = world.root / "two_tabs.tsv"
+    path.write_text("a\tb\nc\td\te\n")
+    return _config_with(world, "tsv", lambda raw: raw["data"].update(train={"format": "tsv", "path": str(path)}))
+
+
+def _hf_valid_without_split(world: Paths) -> Path:
+    import datasets
+
+    folder = world.root / "hf_dataset"
+    if not folder.exists():
+        rows = {"translation": [{"en": "a cat", "xx": "un gato"}, {"en": "a dog", "xx": "un perro"}]}
+        datasets.DatasetDict({"train": datasets.Dataset.from_dict(rows), "validation": datasets.Dataset.from_dict(rows)}
+                             ).save_to_disk(str(folder))  # fmt: skip
+    return _config_with(world, "hf", lambda raw: raw["data"].update(valid={"format": "hf", "path": str(folder)}))
+
+
+CASES = {
+    # translate: paths, checkpoints, settings
+    "translate -i is a directory": Case(lambda w: ["translate", "-c", w.checkpoint, "-i", w.folder],
+                                        lambda w: [str(w.folder), "is a directory", "expected a text file"]),
+    "translate -i missing": Case(lambda w: ["translate", "-c", w.checkpoint, "-i", w.missing],
+                                 lambda w: [str(w.missing), "file not found"]),
+    "translate -i not UTF-8": Case(lambda w: ["translate", "-c", w.checkpoint, "-i", w.latin1],
+                                   lambda w: [f"{w.latin1}:2: not valid UTF-8"]),
+    "translate -o in a missing folder": Case(lambda w: ["translate", "-c", w.checkpoint, "-o", w.nowhere],
+                                             lambda w: [str(w.nowhere), "does not exist"], input="a cat\n"),
+    "translate -o is a directory": Case(lambda w: ["translate", "-c", w.checkpoint, "-o", w.folder],
+                                        lambda w: [str(w.folder), "is a directory"], input="a cat\n"),
+    "translate -c missing": Case(lambda w: ["translate", "-c", w.missing], lambda w: [str(w.missing), "not found"],
+                                 input="a cat\n"),
+    "translate -c junk": Case(lambda w: ["translate", "-c", w.junk],
+                              lambda w: [str(w.junk), "not a readable seq2seq checkpoint"], input="a cat\n"),
+    "translate -c a plain directory": Case(lambda w: ["translate", "-c", w.folder],
+                                           lambda w: [str(w.folder), "not an exported model"], input="a cat\n"),
+    "translate --beam 0": Case(lambda w: ["translate", "-c", w.checkpoint, "--beam", "0"], lambda w: ["--beam", "greater than or equal to 1"],
+                               input="a cat\n"),
+    "translate a non-finite setting": Case(
+        lambda w: ["translate", "-c", w.checkpoint, "--set", "decode.length_penalty=.nan"],
+        lambda w: ["decode.length_penalty", "expected a finite number"], input="a cat\n"),
+    "translate a train key": Case(lambda w: ["translate", "-c", w.checkpoint, "--set", "train.lr=1"],
+                                  lambda w: ["--set train.lr=1", "only decode.* keys"], input="a cat\n"),
+    "translate --attention-plot is a file": Case(
+        lambda w: ["translate", "-c", w.checkpoint, "--attention-plot", w.file],
+        lambda w: [str(w.file), "is a file", "expected a folder"], input="a cat\n"),
+    # eval and score: references, reports, metrics
+    "eval --ref count differs": Case(
+        lambda w: ["eval", "-c", w.checkpoint, "--src", w.data / "test.en", "--ref", w.data / "train.xx"],
+        lambda w: [str(w.data / "train.xx"), "has 3000 lines", "has 60", "expected equal counts"]),
+    "eval --ref missing": Case(lambda w: ["eval", "-c", w.checkpoint, "--src", w.data / "test.en", "--ref", w.missing],
+                               lambda w: [str(w.missing), "No such file", "expected an existing path"]),
+    "eval --json in a missing folder": Case(
+        lambda w: ["eval", "-c", w.checkpoint, "--src", w.data / "test.en", "--ref", w.data / "test.xx", "--json",
+                   w.nowhere],
+        lambda w: [str(w.nowhere), "does not exist"]),
+    "eval --hyps is a directory": Case(
+        lambda w: ["eval", "-c", w.checkpoint, "--src", w.data / "test.en", "--ref", w.data / "test.xx", "--hyps",
+                   w.folder],
+        lambda w: [str(w.folder), "is a directory"]),
+    "score --metrics unknown": Case(
+        lambda w: ["score", "--hyp", w.data / "test.xx", "--ref", w.data / "test.xx", "--metrics", "bleu,meteor"],
+        lambda w: ["--metrics", "meteor", "expected some of bleu, chrf, chrf++, ter"]),
+    "score --tokenize unknown": Case(
+        lambda w: ["score", "--hyp", w.data / "test.xx", "--ref", w.data / "test.xx", "--tokenize", "moses"],
+        lambda w: ["--tokenize", "'moses'", "expected one of"]),
+    "score --hyp is a directory": Case(lambda w: ["score", "--hyp", w.folder, "--ref", w.data / "test.xx"],
+                                       lambda w: [str(w.folder), "expected a file, not a directory"]),
+    "score --ref not UTF-8": Case(lambda w: ["score", "--hyp", w.latin1, "--ref", w.latin1],
+                                  lambda w: [f"{w.latin1}:2: not valid UTF-8"]),
+    # train: configs, data, run directories
+    "train config is a directory": Case(lambda w: ["train", w.folder],
+                                        lambda w: [str(w.folder), "is a directory", "expected a YAML config"]),
+    "train --run-dir is a file": Case(lambda w: ["train", w.config, "--run-dir", w.file],
+                                      lambda w: [str(w.file), "is a file", "expected a run directory"]),
+    "train data file is a directory": Case(lambda w: ["train", w.config, "--set", f"data.train.src={w.folder}"],
+                                           lambda w: ["data.train.src", "is a directory", str(w.folder)]),
+    "train non-finite number": Case(lambda w: ["train", w.config, "--set", "train.lr=.inf"],
+                                    lambda w: ["--set train.lr", "expected a finite number"]),
+    "train --set value not YAML": Case(lambda w: ["train", w.config, "--set", "train.lr=[1"],
+                                       lambda w: ["--set train.lr=[1", "not valid YAML"]),
+    "train tsv line with two tabs": Case(lambda w: ["train", _tsv_with_two_tabs(w), "--run-dir", w.root / "r-tsv"],
+                                         lambda w: [f"{w.root / 'two_tabs.tsv'}:2", "one tab", "found 2 tabs"]),
+    "train hf valid without split": Case(lambda w: ["train", _hf_valid_without_split(w), "--run-dir", w.root / "r-hf"],
+                                         lambda w: ["data.valid.split", "not set", "validation"],
+                                         not_created=lambda w: [w.root / "r-hf" / "tokenizer"]),
+    "train --resume with a changed model": Case(
+        lambda w: ["train", w.config, "--resume", w.run, "--set", "model.d_model=64"],
+        lambda w: [f"--resume {w.run}", "model.d_model", "96 in the run, 64 given"]),
+    "tokenizer train with a missing data file": Case(
+        lambda w: ["tokenizer", "train", w.config, "--set", f"data.train.src={w.missing}", "--run-dir", w.root / "t"],
+        lambda w: ["data.train.src", "file not found", str(w.missing)], not_created=lambda w: [w.root / "t"]),
+    # average, plot, export, serve, demo
+    "average -o in a missing folder": Case(lambda w: ["average", w.checkpoint, w.checkpoint, "-o", w.nowhere],
+                                           lambda w: [str(w.nowhere), "does not exist"]),
+    "average a junk checkpoint": Case(lambda w: ["average", w.checkpoint, w.junk, "-o", w.root / "avg.pt"],
+                                      lambda w: [str(w.junk), "not a readable seq2seq checkpoint"],
+                                      not_created=lambda w: [w.root / "avg.pt"]),
+    "plot a folder without metrics": Case(lambda w: ["plot", w.folder],
+                                          lambda w: [str(w.folder), "no metrics to plot"]),
+    "export to an existing path": Case(lambda w: ["export", w.checkpoint, "-o", w.folder],
+                                       lambda w: [str(w.folder), "already exists"]),
+    "export --quantization unknown": Case(lambda w: ["export", w.checkpoint, "-o", w.root / "e", "--quantization",
+                                                     "int3"],
+                                          lambda w: ["--quantization", "int3"], not_created=lambda w: [w.root / "e"]),
+    "serve a missing model": Case(lambda w: ["serve", w.missing], lambda w: [str(w.missing), "no such checkpoint"]),
+    "demo --config missing": Case(lambda w: ["demo", "--config", w.missing, "--run-dir", w.root / "d"],
+                                  lambda w: [str(w.missing), "config file not found"]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_bad_input_is_one_clear_line_and_exit_2(world: Paths, name: str):
+    case = CASES[name]
+    config_before = (world.run / "config.yaml").read_bytes()
+    result = runner.invoke(app, [str(a) for a in case.args(world)], input=case.input)
+    assert result.exit_code == 2, (result.exit_code, result.output)
+    assert "Traceback" not in result.output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, result.stderr
+    for fragment in case.fragments(world):
+        assert fragment in errors[0], (fragment, errors[0])
+    for path in [world.nowhere.parent, *case.not_created(world)]:
+        assert not path.exists(), f"{path} was created"
+    assert (world.run / "config.yaml").read_bytes() == config_before  # the trained run is untouched
+    leftovers = [p for p in world.root.rglob(".*tmp*")] + [p for p in world.run.rglob(".*tmp*")]
+    assert not leftovers
+
+
+def test_a_bug_is_one_line_with_exit_1_and_debug_shows_the_traceback(world: Paths, monkeypatch):
+    import seq2seq.scoring
+
+    def broken(*args, **kwargs):
+        raise ZeroDivisionError("boom")
+
+    monkeypatch.setattr(seq2seq.scoring, "score", broken)
+    monkeypatch.setattr("seq2seq.evaluate.score", broken)
+    args = ["score", "--hyp", str(world.data / "test.xx"), "--ref", str(world.data / "test.xx")]
+    monkeypatch.setenv("SEQ2SEQ_DEBUG", "0")  # --debug below sets it; the monkeypatch restores it after the test
+    result = runner.invoke(app, args)
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert result.stderr.splitlines()[0] == "error: internal error: ZeroDivisionError: boom"
+    assert "--debug" in result.stderr
+    debug = runner.invoke(app, ["--debug", *args])
+    assert isinstance(debug.exception, ZeroDivisionError)  # re-raised: Python prints the traceback
+
+
+def test_version_and_completion():
+    from importlib.metadata import version
+
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0 and result.stdout.strip() == f"seq2seq {version('seq2seq')}"
+    assert "--install-completion" in runner.invoke(app, ["--help"]).stdout
+
+
+def test_help_keeps_square_brackets():
+    assert "[default: the model's decode.beam]" in " ".join(runner.invoke(app, ["translate", "--help"]).stdout.split())

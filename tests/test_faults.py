@@ -1,0 +1,124 @@
+"""Injected faults: a full disk while a checkpoint is written, a torn metrics line, kills at random
+moments. Each gets one clear line (or none needed), nothing half-written is left, and the run resumes."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from typer.testing import CliRunner
+
+import seq2seq.checkpoint
+from seq2seq.checkpoint import Checkpoint, numbered_checkpoints
+from seq2seq.cli import app
+
+from .conftest import tiny_config_dict
+
+runner = CliRunner()
+
+
+def _config(tmp_path: Path, data: Path, **train) -> Path:
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(tiny_config_dict(data, **train)))
+    return path
+
+
+def _temporaries(run_dir: Path) -> list[Path]:
+    return [path for path in run_dir.rglob("*") if ".tmp" in path.name]
+
+
+def test_disk_full_during_a_checkpoint_names_the_last_good_one_and_resume_continues(tmp_path, tiny_data, monkeypatch):
+    config, run_dir = _config(tmp_path, tiny_data, max_steps=30, save_every=10, valid_every=100), tmp_path / "run"
+    real_save, calls = torch.save, []
+
+    def save_until_the_disk_is_full(obj, handle, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # the second checkpoint: half written, then no space
+            handle.write(b"x" * 4096)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, handle, *args, **kwargs)
+
+    monkeypatch.setattr(seq2seq.checkpoint.torch, "save", save_until_the_disk_is_full)
+    result = runner.invoke(app, ["train", str(config), "--run-dir", str(run_dir), "--quiet"])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    first = run_dir / "checkpoints" / "step_00000010.pt"
+    failed = run_dir / "checkpoints" / "step_00000020.pt"
+    assert errors == [
+        f"error: {failed}: could not be written (No space left on device); the last good checkpoint is {first}; "
+        "free some space and continue with --resume"
+    ]
+    assert not _temporaries(run_dir)  # the half-written file does not hold the space a retry needs
+    assert numbered_checkpoints(run_dir / "checkpoints") == [first]
+    monkeypatch.setattr(seq2seq.checkpoint.torch, "save", real_save)
+    result = runner.invoke(app, ["train", str(config), "--resume", str(run_dir), "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert Checkpoint.load(run_dir / "checkpoints" / "last.pt").progress.step == 30
+    again = runner.invoke(app, ["train", str(config), "--resume", str(run_dir), "--quiet"])  # e.g. killed at exit
+    assert again.exit_code == 0 and "stopped after 30 steps" in again.stdout  # a finished run trains no more
+
+
+def test_a_torn_metrics_line_is_skipped_with_a_warning(tmp_path, tiny_data):
+    config, run_dir = _config(tmp_path, tiny_data, max_steps=20, save_every=10, valid_every=10), tmp_path / "run"
+    assert runner.invoke(app, ["train", str(config), "--run-dir", str(run_dir), "--quiet"]).exit_code == 0
+    metrics = run_dir / "metrics.jsonl"
+    with open(metrics, "a") as handle:
+        handle.write('{"kind": "train", "step": 21, "lo')  # what a kill in the middle of an append leaves
+    lines = len(metrics.read_text().splitlines())
+    plotted = runner.invoke(app, ["plot", str(run_dir)])
+    assert plotted.exit_code == 0, plotted.output
+    assert f"{metrics}:{lines}: not a whole metrics record" in plotted.stderr
+    resumed = runner.invoke(app, ["train", str(config), "--resume", str(run_dir), "--quiet",
+                                  "--set", "train.max_steps=30"])  # fmt: skip
+    assert resumed.exit_code == 0, resumed.output
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]  # every line whole again
+    assert max(r["step"] for r in records) == 30
+
+
+def _train_command(config: Path, run_dir: Path, *, resume: bool) -> list[str]:
+    where = ["--resume", str(run_dir)] if resume else ["--run-dir", str(run_dir)]
+    return [sys.executable, "-m", "seq2seq", "train", str(config), *where, "--quiet"]
+
+
+@pytest.mark.slow
+def test_kills_at_random_moments_then_resume_give_the_uninterrupted_model(tmp_path, tiny_data):
+    """SIGKILL at random times (save_every=2 puts many of them inside a checkpoint write); every
+    restart resumes from the last whole checkpoint, and the end result is bitwise the uninterrupted run."""
+    config = _config(tmp_path, tiny_data, max_steps=80, save_every=2, valid_every=40, keep_last=3)
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    reference = tmp_path / "reference"
+    subprocess.run(_train_command(config, reference, resume=False), check=True, env=env, capture_output=True)
+    run_dir, rng, kills = tmp_path / "killed", random.Random(7), 0
+    while True:
+        resume = bool(numbered_checkpoints(run_dir / "checkpoints"))
+        process = subprocess.Popen(_train_command(config, run_dir, resume=resume), env=env,
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+        if kills < 4:
+            try:
+                process.wait(timeout=rng.uniform(2.5, 5.0))  # a start takes ~2 s: kills land in training
+            except subprocess.TimeoutExpired:
+                process.send_signal(signal.SIGKILL)
+                process.wait()
+                kills += 1
+                for checkpoint in numbered_checkpoints(run_dir / "checkpoints"):
+                    Checkpoint.load(checkpoint)  # never a half-written checkpoint under its real name
+                continue
+        _, stderr = process.communicate(timeout=300)
+        assert process.returncode == 0, stderr.decode()
+        break
+    assert kills == 4
+    assert not _temporaries(run_dir)  # what the kills left half-written is gone
+    ours = Checkpoint.load(run_dir / "checkpoints" / "last.pt")
+    theirs = Checkpoint.load(reference / "checkpoints" / "last.pt")
+    assert ours.progress.step == theirs.progress.step == 80
+    for name, tensor in theirs.model.items():
+        assert torch.equal(ours.model[name], tensor), name
