@@ -28,6 +28,7 @@ except ImportError:  # pragma: no cover - older typer on click
 
 from seq2seq.errors import UserInputError
 
+
 class _OneLineUsageErrors(TyperGroup):
     """Command-line mistakes (an unknown option, a bad flag value, a missing argument) as one line
     and exit 2, like every other bad input, instead of click's usage block."""

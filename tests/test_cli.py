@@ -138,7 +138,9 @@ def test_eval_prints_signatures_and_writes_json(trained_run, tmp_path):
     assert result.exit_code == 0, result.output
     assert "BLEU = " in result.stdout and "nrefs:1|case:mixed" in result.stdout and "chrF2 = " in result.stdout
     parsed = json.loads(report.read_text())
-    assert parsed["sentences"] == 30 and parsed["beam"] == 1 and [s["name"] for s in parsed["scores"]] == ["BLEU", "chrF2"]
+    assert (
+        parsed["sentences"] == 30 and parsed["beam"] == 1 and [s["name"] for s in parsed["scores"]] == ["BLEU", "chrF2"]
+    )
     bleu = parsed["scores"][0]
     assert 0.0 <= bleu["score"] <= 100.0 and len(bleu["precisions"]) == 4 and bleu["signature"] in result.stdout
 

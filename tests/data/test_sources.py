@@ -60,7 +60,10 @@ def test_tsv_and_its_missing_tab(tmp_path):
     text = read(CorpusConfig(format="tsv", path=str(path)))
     assert (text.src, text.tgt) == (["hallo", "welt"], ["hello", "world"])
     path.write_text("hallo\thello\nno tab here\n")
-    assert error_of(CorpusConfig(format="tsv", path=str(path))) == f"{path}:2: expected source<TAB>target (one tab), found no tabs"
+    assert (
+        error_of(CorpusConfig(format="tsv", path=str(path)))
+        == f"{path}:2: expected source<TAB>target (one tab), found no tabs"
+    )
 
 
 def test_jsonl_fields_and_errors(tmp_path):
