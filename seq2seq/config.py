@@ -186,6 +186,14 @@ class DecodeConfig:
     no_repeat_ngram: int = 0  # forbid repeating any n-gram of this size in an output; 0 disables
     batch_tokens: int = 4096  # source tokens per translation batch
 
+    def normalized_score(self, log_prob: float, length: int) -> float:
+        """How finished hypotheses are ranked: `log_prob` of `length` output tokens (EOS included)."""
+        if self.length_norm == "average":
+            return log_prob / length
+        if self.length_norm == "gnmt":
+            return log_prob / ((5 + length) / 6) ** self.length_penalty
+        return log_prob
+
     def problems(self) -> list[tuple[str, str]]:
         found = []
         for key in ("beam", "nbest", "batch_tokens"):

@@ -81,12 +81,9 @@ def max_output_lengths(src: Tensor, config: DecodeConfig) -> Tensor:
 
 
 def length_normalized(log_prob: float, length: int, config: DecodeConfig) -> float:
-    """`length` counts the output tokens including EOS."""
-    if config.length_norm == "average":
-        return log_prob / length
-    if config.length_norm == "gnmt":
-        return log_prob / ((5 + length) / 6) ** config.length_penalty
-    return log_prob
+    """`length` counts the output tokens including EOS (the formula lives in DecodeConfig, which the
+    CTranslate2 engine shares without importing torch)."""
+    return config.normalized_score(log_prob, length)
 
 
 def beam_step(log_probs: Tensor, scores: Tensor, width: int) -> tuple[Tensor, Tensor, Tensor]:
