@@ -12,10 +12,13 @@ caching allocator's), else on the CPU (RSS).
 Batches are built inside the timed loop, as in a real run, epoch after epoch for as many steps as
 asked: with --steps 2000 it is a long run that shows steady state. Memory is sampled every
 --memory-every steps; the script prints the samples and how much memory grew after the first tenth
-of the run, and --plot writes them as a PNG.
+of the run, and --plot writes them as a PNG. Our sides return the heap's free pages to the kernel
+every 10 steps on CPU, as the trainer does (seq2seq/host_memory.py); the side "ours bf16
+untrimmed" leaves that out, to measure what it costs and saves.
 
     python scripts/benchmark_train.py [--config configs/bible_en_es.yaml] [--steps 20]
     python scripts/benchmark_train.py --steps 2000 --reference-steps 300 --plot memory.png   # a long run
+    python scripts/benchmark_train.py --steps 600 --sides "ours bf16" "ours bf16 untrimmed"  # the heap release
     python scripts/benchmark_train.py --model base --max-tokens 16000 --sides "ours bf16"   # on a GPU
 """
 
@@ -40,6 +43,7 @@ from seq2seq.data.batching import epoch_batches, make_batch, padding_fraction
 from seq2seq.data.encoded import EncodedCorpus
 from seq2seq.data.prepare import encode_training_split, stream_split
 from seq2seq.errors import UserInputError
+from seq2seq.host_memory import HEAP_TRIM_EVERY, release_free_heap
 from seq2seq.model import build_model, sinusoidal_positions
 from seq2seq.run_log import current_rss_mb, peak_memory_mb
 from seq2seq.special_tokens import PAD_ID
@@ -53,7 +57,7 @@ MODELS = {  # the issue's CPU model, and Transformer-base of "Attention Is All Y
     "base": ["model.d_model=512", "model.heads=8", "model.ffn_dim=2048", "model.encoder_layers=6",
              "model.decoder_layers=6", *COMMON],
 }  # fmt: skip
-SIDES = ("reference fp32", "ours fp32", "ours bf16")
+SIDES = ("reference fp32", "ours fp32", "ours bf16", "ours bf16 untrimmed")  # untrimmed: without host_memory
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
@@ -168,7 +172,7 @@ def timed_steps(args, steps: int, step, corpus: EncodedCorpus, flops_of) -> Timi
 
 def run_side(args, side: str, queue) -> None:
     torch.set_num_threads(args.threads)
-    config, tokenizer, corpus = prepare(args, "bf16" if side == "ours bf16" else "fp32")
+    config, tokenizer, corpus = prepare(args, "bf16" if side.startswith("ours bf16") else "fp32")
     cfg, vocab = config.model, tokenizer.tgt_vocab_size
     steps = args.reference_steps if side.startswith("reference") and args.reference_steps else args.steps
 
@@ -181,9 +185,14 @@ def run_side(args, side: str, queue) -> None:
         forward = torch.compile(model) if args.compile else model
         optimizer, scaler = build_optimizer(model, config.train), build_scaler(DEVICE, config.train.precision)
 
+        steps_done = itertools.count(1)
+        trim = DEVICE.type == "cpu" and not side.endswith("untrimmed")
+
         def our_step(batch):
             train_step(model, optimizer, scaler, [batch], update_tokens=batch.num_tokens, lr=1e-4,
                        config=config.train, forward=forward)  # fmt: skip
+            if trim and next(steps_done) % HEAP_TRIM_EVERY == 0:  # as the Trainer does
+                release_free_heap()
 
         timing = timed_steps(args, steps, our_step, corpus, flops_of)
     else:
@@ -211,7 +220,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, default=Path("configs/bible_en_es.yaml"))
     parser.add_argument("--model", choices=sorted(MODELS), default="small", help="small: d 256, 3+3; base: d 512, 6+6")
-    parser.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
+    parser.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES[:3]))
     parser.add_argument("--compile", action="store_true", help="our sides under torch.compile")
     parser.add_argument("--set", action="append", default=[], help="extra config override (repeatable)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per side")

@@ -23,6 +23,7 @@ from seq2seq.config import Config
 from seq2seq.data.batching import epoch_batches, make_batch
 from seq2seq.distributed import setup_distributed
 from seq2seq.errors import UserInputError
+from seq2seq.host_memory import HEAP_TRIM_EVERY, release_free_heap
 from seq2seq.model import build_model
 from seq2seq.run_dir import RunDir, check_resumable, prepare_run
 from seq2seq.run_log import MetricsLog, log_to_file, memory_figures
@@ -174,6 +175,8 @@ class Trainer:
                     window_tokens, window_start = 0, time.perf_counter()
                 if progress.step % tc.valid_every == 0:
                     self._validate(bar)
+                if self.device.type == "cpu" and progress.step % HEAP_TRIM_EVERY == 0:
+                    release_free_heap()  # see host_memory.py: keeps RSS near what is in use
                 stop_reason = self._stop_reason(check_clock=log_step)
                 if log_step:  # the clock differs between ranks: rank 0 decides, on log steps only
                     stop_reason = dist.broadcast(stop_reason)

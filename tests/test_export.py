@@ -46,6 +46,23 @@ def test_float32_export_passes_the_gate_and_translates_like_the_checkpoint(check
     assert cli.exit_code == 0 and cli.stdout.splitlines()[:20] == ours.translate(lines[:20], beam=1)
 
 
+def test_gnmt_ranks_the_exported_models_finished_hypotheses_as_our_search_does():
+    """CTranslate2 has no gnmt option: it returns the beam's finished hypotheses with raw
+    log-probabilities, and they are ranked with our formula (a long hypothesis can overtake)."""
+    from types import SimpleNamespace
+
+    from seq2seq.config import DecodeConfig
+    from seq2seq.ctranslate2_engine import _reranked
+
+    decode = DecodeConfig(beam=3, nbest=2, length_norm="gnmt", length_penalty=1.0)
+    raw = SimpleNamespace(hypotheses=[["a"], ["a", "b", "c", "d", "e", "f"], ["a", "b"]], scores=[-2.0, -2.5, -2.4])
+    ranked = _reranked(raw, decode)
+    expected = sorted(((decode.normalized_score(s, len(h) + 1), h) for h, s in zip(raw.hypotheses, raw.scores)),
+                      key=lambda pair: -pair[0])[:2]  # fmt: skip
+    assert ranked.hypotheses == [h for _, h in expected] and ranked.scores == [s for s, _ in expected]
+    assert ranked.hypotheses[0] == ["a", "b", "c", "d", "e", "f"]  # raw order would have put ["a"] first
+
+
 def test_int8_export_reports_its_bleu_change(checkpoint, tmp_path):
     path, _ = checkpoint
     result = invoke("export", path, "-o", tmp_path / "int8", "--quantization", "int8", "--max-bleu-drop", "100")
