@@ -1,0 +1,125 @@
+"""What every `seq2seq` command runs inside: log lines on stderr, and the one boundary for errors.
+
+Bad input (UserInputError), operating-system errors on a user's path (missing, a directory, not
+writable, disk full) and command-line mistakes (a bad flag value, an unknown option) become one line
+per problem on stderr and exit code 2; anything else is a bug, reported in one line with exit 1.
+`--debug` (or SEQ2SEQ_DEBUG=1) shows the traceback instead. stdout is left to the results.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+import sys
+
+import typer
+from tqdm import tqdm
+from typer.core import TyperGroup
+
+try:  # recent typer ships its own copy of click
+    from typer._click.exceptions import NoArgsIsHelpError, UsageError
+except ImportError:  # pragma: no cover - older typer on click
+    from click.exceptions import NoArgsIsHelpError, UsageError
+
+from seq2seq.errors import UserInputError
+
+
+class OneLineUsageErrors(TyperGroup):
+    """Command-line mistakes (an unknown option, a bad flag value, a missing argument) as one line
+    and exit 2, like every other bad input, instead of click's usage block."""
+
+    def main(self, *args, **kwargs):
+        standalone = kwargs.pop("standalone_mode", True)
+        try:
+            result = super().main(*args, standalone_mode=False, **kwargs)
+        except NoArgsIsHelpError as error:  # `seq2seq` or `seq2seq tokenizer` alone: the help
+            error.show()
+            result = error.exit_code
+        except UsageError as error:
+            command = f"{error.ctx.command_path}: " if error.ctx is not None else ""
+            typer.echo(f"error: {command}{error.format_message()} (see --help)", err=True)
+            result = 2
+        except typer.Abort:
+            typer.echo("interrupted", err=True)
+            result = 130
+        if not standalone:
+            return result
+        sys.exit(result if isinstance(result, int) else 0)
+
+
+class _TqdmHandler(logging.Handler):
+    """Log lines that do not break an active progress bar."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        tqdm.write(self.format(record), file=sys.stderr)
+
+
+LOG_LEVEL_VARIABLE = "SEQ2SEQ_LOG_LEVEL"
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def setup_logging() -> None:
+    """Log lines go to stderr (stdout carries only results); --log-level / --quiet choose how many."""
+    handler = _TqdmHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s | %(message)s", "%H:%M:%S"))
+    root = logging.getLogger("seq2seq")
+    root.handlers[:] = [handler]
+    is_main_rank = int(os.environ.get("RANK", "0")) == 0  # under torchrun, rank 0 alone reports progress
+    level = os.environ.get(LOG_LEVEL_VARIABLE, "info").upper()
+    root.setLevel(getattr(logging, level) if is_main_rank else max(logging.WARNING, getattr(logging, level)))
+
+
+DEBUG_VARIABLE = "SEQ2SEQ_DEBUG"
+
+
+def debugging() -> bool:
+    return os.environ.get(DEBUG_VARIABLE, "") not in ("", "0")
+
+
+def _describe_os_error(error: OSError) -> str:
+    """One line naming the path and what was expected, for the OS errors a user's path can cause."""
+    path = error.filename if error.filename is not None else "a file"
+    expected = {
+        errno.ENOENT: "expected an existing path",
+        errno.EISDIR: "expected a file, not a directory",
+        errno.ENOTDIR: "expected a directory along this path",
+        errno.EACCES: "expected permission to read or write it",
+        errno.EROFS: "expected a writable file system",
+        errno.ENOSPC: "free some space and run again (--resume continues a training run)",
+        errno.EDQUOT: "free some space and run again (--resume continues a training run)",
+    }.get(error.errno, "expected a readable or writable path")
+    return f"{path}: {error.strerror or type(error).__name__}; {expected}"
+
+
+def user_errors(command):
+    """The error boundary of every command: one line per problem, never a traceback (unless --debug)."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        setup_logging()
+        try:
+            return command(*args, **kwargs)
+        except (typer.Exit, typer.Abort):
+            raise
+        except KeyboardInterrupt:
+            typer.echo("interrupted; the last checkpoint is kept (resume with --resume RUN_DIR)", err=True)
+            raise typer.Exit(130) from None
+        except Exception as error:
+            if debugging():
+                raise
+            code, lines = 1, [f"internal error: {type(error).__name__}: {error}"]
+            if isinstance(error, UserInputError):
+                code, lines = 2, str(error).splitlines()
+            elif isinstance(error, OSError) and (
+                error.filename is not None or error.errno in (errno.ENOSPC, errno.EDQUOT)
+            ):
+                code, lines = 2, [_describe_os_error(error)]
+            else:
+                lines.append("this is a bug in seq2seq; run again with --debug for the traceback and report it")
+            for line in lines:
+                typer.echo(f"error: {line}", err=True)
+            raise typer.Exit(code) from None
+
+    return wrapper
