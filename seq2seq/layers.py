@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from seq2seq.config import ModelConfig
+from seq2seq.dropout import Dropout, dropout
 
 
 @dataclass
@@ -76,18 +77,18 @@ class MultiHeadAttention(nn.Module):
     def attend(self, query: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, is_causal: bool = False) -> Tensor:
         """query (B, Tq, d) against k, v (B, h, Tk, hd); mask broadcasts to (B, h, Tq, Tk), True = may attend."""
         q = self.split_heads(self.q_proj(query))
-        dropout = self.dropout if self.training else 0.0
+        dropout_p = self.dropout if self.training else 0.0
         if q.device.type == "cpu" and q.dtype == torch.bfloat16:
             # PyTorch's fused CPU kernel is ~3x slower in bf16 than this explicit path (measured fwd+bwd
             # at 130 x 4 heads x 40 tokens); on GPU and in fp32 the fused kernel wins. Both products run
             # in fp32: a bf16 batched matmul makes oneDNN compile and keep a kernel (~1.5 MiB) for every
             # (batch, length, length) shape it meets, and these change with every batch (README,
             # Performance: memory); fp32 ones go to MKL, which keeps nothing, at no cost in step time.
-            probs = F.dropout(_probabilities(q, k, mask, is_causal), dropout, training=dropout > 0)
+            probs = dropout(_probabilities(q, k, mask, is_causal), dropout_p, training=self.training)
             with torch.autocast(q.device.type, enabled=False):
                 out = (probs @ v.float()).to(v.dtype)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
         batch, heads, length, head_dim = out.shape
         return self.out_proj(out.transpose(1, 2).reshape(batch, length, heads * head_dim))  # (B, Tq, d)
 
@@ -118,7 +119,7 @@ class FeedForward(nn.Module):
         super().__init__()
         self.fc1 = nn.Linear(d_model, ffn_dim)
         self.fc2 = nn.Linear(ffn_dim, d_model)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
         self.activation = F.gelu if activation == "gelu" else F.relu
 
     def forward(self, x: Tensor) -> Tensor:
@@ -131,7 +132,7 @@ class _Residual(nn.Module):
     def __init__(self, d_model: int, dropout: float, pre_norm: bool) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(d_model)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
         self.pre_norm = pre_norm
 
     def forward(self, x: Tensor, sublayer) -> Tensor:

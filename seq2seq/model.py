@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from seq2seq.config import ModelConfig
+from seq2seq.dropout import Dropout
 from seq2seq.layers import DecoderCache, DecoderLayer, EncoderLayer
 from seq2seq.special_tokens import PAD_ID, padding_mask
 
@@ -42,7 +43,7 @@ class Seq2SeqTransformer(nn.Module):
         self.encoder_norm = nn.LayerNorm(d_model) if config.norm == "pre" else nn.Identity()
         self.decoder_norm = nn.LayerNorm(d_model) if config.norm == "pre" else nn.Identity()
         self.output_proj = nn.Linear(d_model, tgt_vocab_size, bias=False)
-        self.dropout = nn.Dropout(config.dropout)
+        self.dropout = Dropout(config.dropout)
         self._init_weights()
         if config.share_embeddings or config.tie_output:  # the paper shares the pre-softmax weights too
             self.output_proj.weight = self.tgt_embed.weight

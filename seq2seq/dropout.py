@@ -1,0 +1,67 @@
+"""Dropout whose mask is cheap to draw on CPU.
+
+PyTorch's CPU dropout draws one Bernoulli sample per element through its serial generator: about
+8 ms for a 4,000-token x 256 activation, 17 times per training step of the d 256, 3+3 model, or
+11% of a bf16 step on two cores (profiled). Here each element gets 16 random bits, drawn 64 at a
+time from the same seeded generator (so runs stay reproducible and resume exactly), and is dropped
+when they fall under p x 65,536: a third of the time, forward and backward. The drop probability
+is p rounded to a multiple of 1/65,536 (0.1 becomes 0.100006) and kept elements are scaled by
+1 / (1 - that probability), so the expected output is still the input. On GPUs PyTorch's fused
+kernel is fast already and is used as is.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+_LEVELS = 1 << 16  # 16 random bits per element
+
+
+def dropout(x: Tensor, p: float, *, training: bool) -> Tensor:
+    """F.dropout(x, p, training), with the cheap mask on CPU."""
+    if not training or p == 0.0:
+        return x
+    if x.device.type != "cpu" or round(p * _LEVELS) >= _LEVELS:
+        return F.dropout(x, p, training=True)
+    return _MaskedScale.apply(x, p)
+
+
+class Dropout(nn.Module):
+    """nn.Dropout with the cheap CPU mask."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: Tensor) -> Tensor:
+        return dropout(x, self.p, training=self.training)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"
+
+
+def drop_mask(shape: torch.Size, p: float) -> tuple[Tensor, float]:
+    """A bool mask of `shape`, True where an element is dropped, and the scale for the kept ones."""
+    count = shape.numel()
+    words = torch.empty((count + 3) // 4, dtype=torch.int64).random_(-(2**63), None)  # 64 uniform bits each
+    bits = words.view(torch.int16)[:count].view(shape)  # uniform over [-32768, 32767]
+    dropped_levels = round(p * _LEVELS)
+    return bits < dropped_levels - _LEVELS // 2, _LEVELS / (_LEVELS - dropped_levels)
+
+
+class _MaskedScale(torch.autograd.Function):
+    """x with the dropped elements zeroed and the kept ones scaled; the gradient masked alike."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, p: float) -> Tensor:
+        dropped, scale = drop_mask(x.shape, p)
+        ctx.save_for_backward(dropped)
+        ctx.scale = scale
+        return x.masked_fill(dropped, 0).mul_(scale)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        (dropped,) = ctx.saved_tensors
+        return grad.masked_fill(dropped, 0).mul_(ctx.scale), None
