@@ -10,11 +10,13 @@ measured here for each precision. Runs on the GPU when there is one (memory is t
 caching allocator's), else on the CPU (RSS).
 
 Batches are built inside the timed loop, as in a real run, epoch after epoch for as many steps as
-asked: with --steps 2000 it is a long run that shows steady state. Memory is sampled every
---memory-every steps; the script prints the samples and how much memory grew after the first tenth
-of the run, and --plot writes them as a PNG. Our sides return the heap's free pages to the kernel
-every 10 steps on CPU, as the trainer does (seq2seq/host_memory.py); the side "ours bf16
-untrimmed" leaves that out, to measure what it costs and saves.
+asked: with --steps 2000 it is a long run that shows steady state. Memory is read after every step;
+every --memory-every steps the script records it now and at its highest since the last record (the
+window peak: on CPU our sides return the heap's free pages to the kernel every 10 steps, as the
+trainer does (seq2seq/host_memory.py), so memory now is a sawtooth and the window's top is what
+shows growth). It prints the records and how much the window peak grew after the first tenth of
+the run, and --plot writes them as a PNG. The side "ours bf16 untrimmed" leaves the heap release
+out, to measure what it costs and saves.
 
     python scripts/benchmark_train.py [--config configs/bible_en_es.yaml] [--steps 20]
     python scripts/benchmark_train.py --steps 2000 --reference-steps 300 --plot memory.png   # a long run
@@ -45,7 +47,7 @@ from seq2seq.data.prepare import encode_training_split, stream_split
 from seq2seq.errors import UserInputError
 from seq2seq.host_memory import HEAP_TRIM_EVERY, release_free_heap
 from seq2seq.model import build_model, sinusoidal_positions
-from seq2seq.run_log import current_rss_mb, peak_memory_mb
+from seq2seq.run_log import WindowPeakRss, current_rss_mb, peak_memory_mb
 from seq2seq.special_tokens import PAD_ID
 from seq2seq.tokenizer import Tokenizer, load_or_train_tokenizer
 from seq2seq.train_step import build_optimizer, build_scaler, train_step
@@ -132,14 +134,40 @@ def prepare(args, precision: str = "fp32") -> tuple[Config, Tokenizer, EncodedCo
 
 
 @dataclass(frozen=True)
+class MemorySample:
+    """MiB at a step: RSS on CPU, reserved by the caching allocator on a GPU; now and at its highest
+    since the previous sample."""
+
+    step: int
+    now: float
+    window_peak: float
+
+
+@dataclass(frozen=True)
 class Timing:
     tokens_per_second: float
     flops_per_second: float
-    memory: list[tuple[int, float]]  # (step, MiB): RSS on CPU, reserved by the caching allocator on a GPU
+    memory: list[MemorySample]
 
 
-def memory_now_mb() -> float:
-    return torch.cuda.memory_reserved() / 2**20 if DEVICE.type == "cuda" else current_rss_mb()
+class MemoryWindow:
+    """The window peak of the memory this benchmark reports: RSS on CPU, reserved on a GPU."""
+
+    def __init__(self) -> None:
+        self._rss, self._reserved = WindowPeakRss(), 0.0
+
+    def sample(self) -> None:
+        if DEVICE.type == "cuda":
+            self._reserved = max(self._reserved, torch.cuda.memory_reserved() / 2**20)
+        else:
+            self._rss.sample()
+
+    def take(self, step: int) -> MemorySample:
+        self.sample()
+        if DEVICE.type == "cuda":
+            peak, self._reserved = self._reserved, 0.0
+            return MemorySample(step, torch.cuda.memory_reserved() / 2**20, peak)
+        return MemorySample(step, current_rss_mb(), self._rss.take())
 
 
 def training_order(corpus: EncodedCorpus, max_tokens: int, count: int) -> list[np.ndarray]:
@@ -151,20 +179,27 @@ def training_order(corpus: EncodedCorpus, max_tokens: int, count: int) -> list[n
             return order[:count]
 
 
-def timed_steps(args, steps: int, step, corpus: EncodedCorpus, flops_of) -> Timing:
-    """Tokens/s and model FLOP/s over `steps` steps after args.warmup untimed ones, with memory samples."""
+def timed_steps(args, steps: int, step, corpus: EncodedCorpus, flops_of, *, release_heap: bool = False) -> Timing:
+    """Tokens/s and model FLOP/s over `steps` steps after args.warmup untimed ones, with memory samples.
+
+    With `release_heap`, the heap's free pages go back to the kernel every HEAP_TRIM_EVERY steps,
+    after memory was read, as the trainer does.
+    """
     order = training_order(corpus, args.max_tokens, args.warmup + steps)
     for indices in order[: args.warmup]:
         step(make_batch(corpus, indices))
-    tokens, flops, memory = 0, 0.0, []
+    tokens, flops, memory, window = 0, 0.0, [], MemoryWindow()
     synchronize()
     start = time.perf_counter()
     for number, indices in enumerate(order[args.warmup :], start=1):
         batch = make_batch(corpus, indices)
         tokens, flops = tokens + batch.num_tokens, flops + flops_of(batch)
         step(batch)
+        window.sample()
         if number % args.memory_every == 0 or number == steps:
-            memory.append((number, memory_now_mb()))
+            memory.append(window.take(number))
+        if release_heap and number % HEAP_TRIM_EVERY == 0:
+            release_free_heap()
     synchronize()
     seconds = time.perf_counter() - start
     return Timing(tokens / seconds, flops / seconds, memory)
@@ -185,16 +220,12 @@ def run_side(args, side: str, queue) -> None:
         forward = torch.compile(model) if args.compile else model
         optimizer, scaler = build_optimizer(model, config.train), build_scaler(DEVICE, config.train.precision)
 
-        steps_done = itertools.count(1)
-        trim = DEVICE.type == "cpu" and not side.endswith("untrimmed")
-
         def our_step(batch):
             train_step(model, optimizer, scaler, [batch], update_tokens=batch.num_tokens, lr=1e-4,
                        config=config.train, forward=forward)  # fmt: skip
-            if trim and next(steps_done) % HEAP_TRIM_EVERY == 0:  # as the Trainer does
-                release_free_heap()
 
-        timing = timed_steps(args, steps, our_step, corpus, flops_of)
+        release_heap = DEVICE.type == "cpu" and not side.endswith("untrimmed")
+        timing = timed_steps(args, steps, our_step, corpus, flops_of, release_heap=release_heap)
     else:
         torch.manual_seed(1)
         model = ReferenceModel(vocab, cfg.d_model, cfg.heads, cfg.encoder_layers, cfg.ffn_dim, cfg.dropout)
@@ -263,17 +294,18 @@ def report(args, rates: dict[str, float], results: dict, preparation_peak: float
     print(f"tokenizer training and encoding (before the sides, in the main process): peak RSS "
           f"{preparation_peak:,.0f} MiB")  # fmt: skip
     memory = "GPU reserved" if DEVICE.type == "cuda" else "RSS"
-    print(f"\n| trainer | steps | target tokens/s (whole run) | MFU | padding | peak {memory} | {memory} at 10% "
-          f"of the run -> end |\n|---|---|---|---|---|---|---|")  # fmt: skip
+    print(f"\n| trainer | steps | target tokens/s (whole run) | MFU | padding | peak {memory} | window peak {memory} "
+          f"at 10% of the run -> end |\n|---|---|---|---|---|---|---|")  # fmt: skip
     for side, (steps, timing, padding, peak) in results.items():
         mfu = timing.flops_per_second / rates["bf16" if "bf16" in side else "fp32"]
         early, last = early_sample(timing.memory, steps), timing.memory[-1]
-        growth = f"{early[1]:,.0f} (step {early[0]}) -> {last[1]:,.0f} MiB ({last[1] / early[1] - 1:+.1%})"
+        growth = (f"{early.window_peak:,.0f} (step {early.step}) -> {last.window_peak:,.0f} MiB "
+                  f"({last.window_peak / early.window_peak - 1:+.1%})")  # fmt: skip
         print(f"| {side} | {steps} | {timing.tokens_per_second:,.0f} | {mfu:.0%} | {padding:.1%} | {peak:,.0f} MiB "
               f"| {growth} |")  # fmt: skip
-    print()
+    print(f"\n{memory} MiB at steps, now / highest since the previous sample:")
     for side, (_, timing, _, _) in results.items():
-        print(f"{side}, {memory} MiB at steps: " + ", ".join(f"{step}: {mib:,.0f}" for step, mib in timing.memory))
+        print(f"{side}: " + ", ".join(f"{s.step}: {s.now:,.0f}/{s.window_peak:,.0f}" for s in timing.memory))
     if "reference fp32" in results:
         reference = results["reference fp32"][1].tokens_per_second
         for side, target in (("ours fp32", 1.2), ("ours bf16", 1.5)):
@@ -285,9 +317,9 @@ def report(args, rates: dict[str, float], results: dict, preparation_peak: float
         print(f"memory over steps: {args.plot}")
 
 
-def early_sample(samples: list[tuple[int, float]], steps: int) -> tuple[int, float]:
+def early_sample(samples: list[MemorySample], steps: int) -> MemorySample:
     """The first sample at or after a tenth of the run (the issue's step 200 of 2,000)."""
-    return next(sample for sample in samples if sample[0] >= steps // 10)
+    return next(sample for sample in samples if sample.step >= steps // 10)
 
 
 def plot_memory(path: Path, results: dict, memory: str) -> None:
@@ -298,7 +330,11 @@ def plot_memory(path: Path, results: dict, memory: str) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for side, (_, timing, _, _) in results.items():
-        ax.plot(*zip(*timing.memory), marker=".", label=side)
+        steps = [sample.step for sample in timing.memory]
+        peaks = [sample.window_peak for sample in timing.memory]
+        (line,) = ax.plot(steps, peaks, marker=".", label=f"{side}: window peak")
+        now = [sample.now for sample in timing.memory]
+        ax.plot(steps, now, color=line.get_color(), alpha=0.4, label=f"{side}: now")
     ax.set_xlabel("step")
     ax.set_ylabel(f"{memory} (MiB)")
     ax.set_ylim(bottom=0)

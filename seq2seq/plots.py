@@ -38,7 +38,8 @@ def plot_training_curves(run_dir: str | Path) -> list[Path]:
         "bleu": [("valid BLEU", valid, "bleu"), ("valid chrF", valid, "chrf")],
         "lr": [("learning rate", train, "lr")],
         "memory": [
-            ("RSS (MiB)", train, "rss_mb"),
+            ("RSS now (MiB)", train, "rss_mb"),
+            ("RSS, peak since the last log line (MiB)", train, "window_peak_rss_mb"),
             ("peak (MiB)", train, "peak_memory_mb"),
             ("CUDA allocated (MiB)", train, "cuda_allocated_mb"),
             ("CUDA reserved (MiB)", train, "cuda_reserved_mb"),

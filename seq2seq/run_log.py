@@ -101,15 +101,41 @@ def current_rss_mb() -> float | None:
         return None
 
 
-def memory_figures(device: torch.device) -> dict[str, float]:
-    """What metrics.jsonl logs about memory: the peak, the RSS now and, on CUDA, the caching
-    allocator's allocated and reserved memory now (a growing reserved figure is fragmentation)."""
+class WindowPeakRss:
+    """The highest RSS sampled after any step since the last log line.
+
+    On CPU the trainer hands the heap's free pages back every HEAP_TRIM_EVERY steps, so RSS is a
+    sawtooth: a single reading depends on where in that cycle it falls (measured after a release:
+    ~600 MiB; one step later ~1,200; nine steps later up to ~1,600), while the top of each log
+    window, the memory the run actually needs, shows whether memory grows over a run.
+    """
+
+    def __init__(self) -> None:
+        self._peak: float | None = None
+
+    def sample(self) -> None:
+        rss = current_rss_mb()  # reads /proc/self/statm: ~15 us
+        if rss is not None:
+            self._peak = rss if self._peak is None else max(self._peak, rss)
+
+    def take(self) -> float | None:
+        """The window's peak, and a new window."""
+        peak, self._peak = self._peak, None
+        return peak
+
+
+def memory_figures(device: torch.device, window_peak_rss: float | None = None) -> dict[str, float]:
+    """What metrics.jsonl logs about memory: the peak, the RSS now, the peak RSS of the log window
+    (WindowPeakRss) and, on CUDA, the caching allocator's allocated and reserved memory now (a growing
+    reserved figure is fragmentation)."""
     figures = {"peak_memory_mb": peak_memory_mb(device)}
     rss = current_rss_mb()
     if rss is not None:
         figures["rss_mb"] = rss
-        if device.type != "cuda":  # the kernel updates the recorded peak lazily: it can trail the RSS now
-            figures["peak_memory_mb"] = max(figures["peak_memory_mb"], rss)
+        if window_peak_rss is not None:
+            figures["window_peak_rss_mb"] = max(window_peak_rss, rss)
+        if device.type != "cuda":  # the kernel updates the recorded peak lazily: it can trail the RSS seen
+            figures["peak_memory_mb"] = max(figures["peak_memory_mb"], figures.get("window_peak_rss_mb", rss))
     if device.type == "cuda":
         figures["cuda_allocated_mb"] = torch.cuda.memory_allocated(device) / 2**20
         figures["cuda_reserved_mb"] = torch.cuda.memory_reserved(device) / 2**20
