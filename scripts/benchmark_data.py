@@ -29,21 +29,12 @@ def write_corpus(directory: Path, pairs: int) -> None:
                 handle.writelines(row[side] + "\n" for row in rows)
 
 
-def reset_peak_rss() -> None:
-    """Start a new high-water mark for the RSS (Linux: writing 5 to clear_refs resets VmHWM)."""
-    Path("/proc/self/clear_refs").write_text("5")
-
-
-def peak_rss_mb() -> float:
-    status = Path("/proc/self/status").read_text()
-    return int(next(line for line in status.splitlines() if line.startswith("VmHWM:")).split()[1]) / 1024
-
-
 def prepare_and_measure(config_path: str, queue) -> None:
     """Runs in its own process so that its peak RSS is the preparation's alone."""
     from seq2seq.config import load_config
     from seq2seq.data.batching import epoch_batches, make_batch
     from seq2seq.data.prepare import encode_training_split, stream_split
+    from seq2seq.run_log import high_water_rss_mb, reset_high_water_rss
     from seq2seq.tokenizer import load_or_train_tokenizer
 
     config = load_config(config_path)
@@ -52,12 +43,12 @@ def prepare_and_measure(config_path: str, queue) -> None:
     pairs = stream_split(config.data, "train")
     tokenizer = load_or_train_tokenizer(work / "tokenizer", config.tokenizer, pairs, seed=config.train.seed)
     tokenizer_seconds = time.perf_counter() - start
-    tokenizer_rss = peak_rss_mb()
-    reset_peak_rss()
+    tokenizer_rss = high_water_rss_mb()
+    reset_high_water_rss()
     start = time.perf_counter()
     corpus = encode_training_split(config.data, tokenizer)
     encode_seconds = time.perf_counter() - start
-    encode_rss = peak_rss_mb()
+    encode_rss = high_water_rss_mb()
     start = time.perf_counter()
     encode_training_split(config.data, tokenizer)
     cache_seconds = time.perf_counter() - start

@@ -101,41 +101,69 @@ def current_rss_mb() -> float | None:
         return None
 
 
-class WindowPeakRss:
-    """The highest RSS sampled after any step since the last log line.
+def high_water_rss_mb() -> float | None:
+    """The process's peak RSS since it started or since reset_high_water_rss() (Linux's VmHWM)."""
+    try:
+        with open("/proc/self/status") as handle:
+            line = next(line for line in handle if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return None
+    return int(line.split()[1]) / 1024  # KiB
+
+
+def reset_high_water_rss() -> bool:
+    """Starts a new high-water mark at the RSS now (Linux 4.0+: 5 written to clear_refs); False where
+    that is not allowed. getrusage's peak is reset with it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+    except OSError:
+        return False
+    return True
+
+
+class PeakRss:
+    """The peak RSS since the previous log line, and over the whole process.
 
     On CPU the trainer hands the heap's free pages back every HEAP_TRIM_EVERY steps, so RSS is a
     sawtooth: a single reading depends on where in that cycle it falls (measured after a release:
     ~600 MiB; one step later ~1,200; nine steps later up to ~1,600), while the top of each log
-    window, the memory the run actually needs, shows whether memory grows over a run.
+    window, the memory the run actually needs, shows whether memory grows over a run. The kernel's
+    high-water mark sees that top, inside the backward pass too, at no cost per step; resetting it
+    at each log line gives every window its own peak. As that also resets what getrusage reports,
+    the process's peak is kept here.
     """
 
     def __init__(self) -> None:
-        self._peak: float | None = None
-
-    def sample(self) -> None:
-        rss = current_rss_mb()  # reads /proc/self/statm: ~15 us
-        if rss is not None:
-            self._peak = rss if self._peak is None else max(self._peak, rss)
+        self.process_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+        self._resettable = reset_high_water_rss()
 
     def take(self) -> float | None:
-        """The window's peak, and a new window."""
-        peak, self._peak = self._peak, None
+        """The peak since the previous take (or since this object was made), and a new window; None
+        where the high-water mark cannot be read or reset."""
+        peak = high_water_rss_mb()
+        if peak is None:
+            return None
+        self.process_peak = max(self.process_peak, peak)
+        if not self._resettable:
+            return None
+        self._resettable = reset_high_water_rss()
         return peak
 
 
-def memory_figures(device: torch.device, window_peak_rss: float | None = None) -> dict[str, float]:
+def memory_figures(device: torch.device, rss_peaks: PeakRss | None = None) -> dict[str, float]:
     """What metrics.jsonl logs about memory: the peak, the RSS now, the peak RSS of the log window
-    (WindowPeakRss) and, on CUDA, the caching allocator's allocated and reserved memory now (a growing
+    (PeakRss) and, on CUDA, the caching allocator's allocated and reserved memory now (a growing
     reserved figure is fragmentation)."""
     figures = {"peak_memory_mb": peak_memory_mb(device)}
+    window_peak = rss_peaks.take() if rss_peaks is not None else None
+    if window_peak is not None:
+        figures["window_peak_rss_mb"] = window_peak
     rss = current_rss_mb()
     if rss is not None:
         figures["rss_mb"] = rss
-        if window_peak_rss is not None:
-            figures["window_peak_rss_mb"] = max(window_peak_rss, rss)
-        if device.type != "cuda":  # the kernel updates the recorded peak lazily: it can trail the RSS seen
-            figures["peak_memory_mb"] = max(figures["peak_memory_mb"], figures.get("window_peak_rss_mb", rss))
+    if device.type != "cuda" and rss_peaks is not None:  # getrusage's peak starts again with each window
+        figures["peak_memory_mb"] = max(figures["peak_memory_mb"], rss_peaks.process_peak)
     if device.type == "cuda":
         figures["cuda_allocated_mb"] = torch.cuda.memory_allocated(device) / 2**20
         figures["cuda_reserved_mb"] = torch.cuda.memory_reserved(device) / 2**20

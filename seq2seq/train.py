@@ -26,7 +26,7 @@ from seq2seq.errors import UserInputError
 from seq2seq.host_memory import HEAP_TRIM_EVERY, release_free_heap
 from seq2seq.model import build_model
 from seq2seq.run_dir import RunDir, check_resumable, prepare_run
-from seq2seq.run_log import MetricsLog, WindowPeakRss, log_to_file, memory_figures
+from seq2seq.run_log import MetricsLog, PeakRss, log_to_file, memory_figures
 from seq2seq.schedule import learning_rate
 from seq2seq.train_step import StepResult, autocast, build_optimizer, build_scaler, train_step
 from seq2seq.validation import ValidationResult, validate
@@ -117,7 +117,7 @@ class Trainer:
         self.progress = Progress()
         self.last_step: StepResult | None = None
         self.skipped = SkippedUpdates(self.device)
-        self.rss_window = WindowPeakRss()
+        self.rss_peaks = PeakRss()
         self.metrics = MetricsLog(self.run_dir.metrics, tensorboard=self.dist.is_main)
         if resumed is not None:
             self._restore(resumed, resumed_path)
@@ -166,7 +166,6 @@ class Trainer:
                 window_loss_tokens += (~step.skipped) * my_tokens
                 window_tokens += my_tokens
                 bar.update(1)
-                self.rss_window.sample()
                 log_step = progress.step % tc.log_every == 0
                 if log_step:
                     window = [*torch.stack([window_loss, window_loss_tokens]).tolist(), window_tokens]
@@ -225,7 +224,7 @@ class Trainer:
             grad_norm=float(self.last_step.grad_norm),
             tokens_per_second=tokens_per_second,
             skipped_steps=self.progress.skipped_steps,
-            **memory_figures(self.device, self.rss_window.take()),
+            **memory_figures(self.device, self.rss_peaks),
         )
 
     def evaluate_valid(self) -> ValidationResult:
