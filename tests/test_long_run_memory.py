@@ -9,6 +9,7 @@ import torch
 from seq2seq.config import ModelConfig, TokenizerConfig, TrainConfig
 from seq2seq.data.batching import epoch_batches, make_batch
 from seq2seq.data.encoded import encode_pairs
+from seq2seq.layers import RowRoundedLinear
 from seq2seq.model import build_model
 from seq2seq.run_log import PeakRss, current_rss_mb
 from seq2seq.tokenizer import train_tokenizer
@@ -76,3 +77,33 @@ def test_the_window_peak_keeps_the_top_of_a_step_that_rss_now_no_longer_shows():
     assert peak > now + 150, f"window peak {peak:.0f} MiB, now {now:.0f} MiB"
     assert peaks.take() < peak - 150  # a new window
     assert peaks.process_peak >= peak
+
+
+def test_linear_layers_compile_one_kernel_set_for_many_row_counts(capfd):
+    """Each epoch cuts batches of new sentences x length products; each used to cost oneDNN kernels."""
+    layer = RowRoundedLinear(32, 48)
+    capfd.readouterr()
+    with (
+        torch.autocast("cpu", dtype=torch.bfloat16),
+        torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON_CREATION),
+    ):
+        for rows in range(129, 193):  # 64 row counts, all rounded to 192
+            layer(torch.randn(rows, 32, requires_grad=True)).sum().backward()
+    created = capfd.readouterr().out.count("create:cache_miss")
+    assert created <= 6, f"{created} new oneDNN kernels for 64 row counts"
+
+
+def test_row_rounded_linear_gives_nn_linear_outputs_and_gradients():
+    torch.manual_seed(0)
+    rounded, plain = RowRoundedLinear(64, 96), torch.nn.Linear(64, 96)
+    plain.load_state_dict(rounded.state_dict())
+    x = torch.randn(3, 23, 64, requires_grad=True)  # 69 rows: padded to 128 inside
+    y = x.detach().clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out_rounded, out_plain = rounded(x), plain(y)
+    out_rounded.float().square().sum().backward()
+    out_plain.float().square().sum().backward()
+    assert out_rounded.shape == out_plain.shape and torch.allclose(out_rounded.float(), out_plain.float(), atol=1e-2)
+    assert torch.allclose(x.grad, y.grad, atol=1e-2)
+    assert torch.allclose(rounded.weight.grad, plain.weight.grad, rtol=1e-2, atol=1e-2)
+    assert torch.allclose(rounded.bias.grad, plain.bias.grad, rtol=1e-2, atol=1e-2)
