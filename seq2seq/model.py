@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from seq2seq.config import ModelConfig
 from seq2seq.dropout import Dropout
-from seq2seq.layers import DecoderCache, DecoderLayer, EncoderLayer
+from seq2seq.layers import DecoderCache, DecoderLayer, EncoderLayer, Memory, Rows, row_multiple
 from seq2seq.special_tokens import PAD_ID, padding_mask
 
 
@@ -67,17 +67,24 @@ class Seq2SeqTransformer(nn.Module):
 
     def encode(self, src: Tensor, src_mask: Tensor) -> Tensor:
         """src (B, S) ids, src_mask (B, 1, 1, S) -> memory (B, S, d)."""
-        x = self.embed(self.src_embed, src, 0)
+        rows = Rows(*src.shape, row_multiple(src.device))  # layers.Rows: why the stack runs on flat rows
+        x = rows.flatten(self.embed(self.src_embed, src, 0))
         for layer in self.encoder_layers:
-            x = layer(x, src_mask)
-        return self.encoder_norm(x)
+            x = layer(x, rows, src_mask)
+        return rows.unflatten(self.encoder_norm(x))
 
     def decode_hidden(self, tgt: Tensor, memory: Tensor, src_mask: Tensor, cache: DecoderCache | None = None) -> Tensor:
         """tgt (B, T) ids -> decoder output (B, T, d); with a cache, tgt holds only the new positions."""
-        x = self.embed(self.tgt_embed, tgt, 0 if cache is None else cache.length)
+        x, rows, memory = self._decoder_input(tgt, memory, 0 if cache is None else cache.length)
         for index, layer in enumerate(self.decoder_layers):
-            x = layer(x, memory, src_mask, None if cache is None else cache.layers[index])
-        return self.decoder_norm(x)
+            x = layer(x, rows, memory, src_mask, None if cache is None else cache.layers[index])
+        return rows.unflatten(self.decoder_norm(x))
+
+    def _decoder_input(self, tgt: Tensor, memory: Tensor, start: int) -> tuple[Tensor, Rows, Memory]:
+        """The embedded target as flat rows, and the memory as the decoder layers read it."""
+        multiple = row_multiple(tgt.device)
+        rows = Rows(*tgt.shape, multiple)
+        return rows.flatten(self.embed(self.tgt_embed, tgt, start)), rows, Memory(memory, multiple)
 
     def decode(self, tgt: Tensor, memory: Tensor, src_mask: Tensor, cache: DecoderCache | None = None) -> Tensor:
         """tgt (B, T) ids -> logits (B, T, V)."""
@@ -100,11 +107,11 @@ class Seq2SeqTransformer(nn.Module):
         """Cross-attention probabilities (layers, B, heads, T, S) for a teacher-forced target, for plots."""
         src_mask = padding_mask(src)
         memory = self.encode(src, src_mask)
-        x = self.embed(self.tgt_embed, tgt_in, 0)
+        x, rows, memory = self._decoder_input(tgt_in, memory, 0)
         maps = []
         for layer in self.decoder_layers:
-            maps.append(layer.cross_attention_weights(x, memory, src_mask))
-            x = layer(x, memory, src_mask, None)
+            maps.append(layer.cross_attention_weights(x, rows, memory, src_mask))
+            x = layer(x, rows, memory, src_mask, None)
         return torch.stack(maps)
 
 

@@ -10,6 +10,7 @@ from torch import nn
 
 from seq2seq.config import ModelConfig
 from seq2seq.interop import to_torch_transformer
+from seq2seq.layers import ROW_MULTIPLE, Memory, Rows
 from seq2seq.model import Seq2SeqTransformer, sinusoidal_positions
 from seq2seq.special_tokens import PAD_ID, padding_mask
 
@@ -42,15 +43,16 @@ def test_layers_match_torch_transformer_with_padding(norm):
     src_tokens[2, 3:] = PAD_ID
     src_embedded, tgt_embedded = torch.randn(3, 7, D_MODEL), torch.randn(3, 6, D_MODEL)
     src_mask = padding_mask(src_tokens)
+    src_rows, tgt_rows = Rows(3, 7, ROW_MULTIPLE), Rows(3, 6, ROW_MULTIPLE)  # with padding rows, as in bf16
     with torch.no_grad():
-        memory = src_embedded
+        memory = src_rows.flatten(src_embedded)
         for layer in ours.encoder_layers:
-            memory = layer(memory, src_mask)
-        memory = ours.encoder_norm(memory)
-        out = tgt_embedded
+            memory = layer(memory, src_rows, src_mask)
+        memory = Memory(src_rows.unflatten(ours.encoder_norm(memory)), ROW_MULTIPLE)
+        out = tgt_rows.flatten(tgt_embedded)
         for layer in ours.decoder_layers:
-            out = layer(out, memory, src_mask, None)
-        out = ours.decoder_norm(out)
+            out = layer(out, tgt_rows, memory, src_mask, None)
+        out = tgt_rows.unflatten(ours.decoder_norm(out))
         expected = ref(
             src_embedded,
             tgt_embedded,
@@ -188,11 +190,11 @@ def test_bf16_cpu_attention_keeps_scores_and_softmax_in_fp32():
     """Scores rounded to bf16 before the softmax raised the demo's validation loss on 7 of 8 seeds."""
     torch.manual_seed(0)
     attention = make_model().encoder_layers[0].self_attn
-    query = torch.randn(2, 7, D_MODEL) * 4
+    query = torch.randn(2 * 7, D_MODEL) * 4  # flat rows of 2 sentences x 7 positions
     k = (torch.randn(2, HEADS, 9, D_MODEL // HEADS) * 4).bfloat16()
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        probabilities = attention.weights(query, k, mask=None)
-        q = attention.split_heads(attention.q_proj(query))  # the same bf16 queries
+        probabilities = attention.weights(query, Rows(2, 7), k, mask=None)
+        q = attention.split_heads(attention.q_proj(query).view(2, 7, D_MODEL))  # the same bf16 queries
     expected = (q.float() @ k.float().transpose(-2, -1) * (D_MODEL // HEADS) ** -0.5).softmax(-1)
     assert probabilities.dtype == torch.float32
     torch.testing.assert_close(probabilities, expected, atol=1e-6, rtol=1e-5)
