@@ -136,6 +136,7 @@ class TrainConfig:
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     seed: int = 1
     threads: int = 0  # torch intra-op threads; 0 keeps torch's default
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: the GPU when torch sees one (torchrun: one per rank)
     log_every: int = 100
     valid_every: int = 1000
     valid_max_sentences: int = 500  # BLEU on at most this many validation sentences

@@ -13,12 +13,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from seq2seq.errors import UserInputError
+
 
 @dataclass(frozen=True)
 class DistributedContext:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    use_cuda: bool = False
 
     @property
     def enabled(self) -> bool:
@@ -30,7 +33,8 @@ class DistributedContext:
         return self.rank == 0
 
     def device(self) -> torch.device:
-        return torch.device("cuda", self.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+        """This rank's device: its own GPU (by local rank), or the CPU."""
+        return torch.device("cuda", self.local_rank) if self.use_cuda else torch.device("cpu")
 
     def barrier(self) -> None:
         if self.enabled:
@@ -61,17 +65,38 @@ class DistributedContext:
         return values
 
 
-def setup_distributed() -> DistributedContext:
-    """Join the process group torchrun described in the environment (nccl on CUDA, gloo on CPU)."""
+def setup_distributed(device: str = "auto") -> DistributedContext:
+    """Join the process group torchrun described in the environment (nccl on CUDA, gloo on CPU).
+
+    `device` is train.device: auto takes the GPU when torch sees one. Each rank needs a GPU of its
+    own, so a launch with more processes on a machine than it has GPUs is refused here, in one line,
+    rather than by CUDA's "invalid device ordinal" deep inside the first step.
+    """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size == 1:
-        return DistributedContext()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
+    use_cuda = cuda_chosen(device, local_rank)
+    if world_size == 1:
+        return DistributedContext(use_cuda=use_cuda)
+    if use_cuda:
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    return DistributedContext(dist.get_rank(), world_size, local_rank)
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+    return DistributedContext(dist.get_rank(), world_size, local_rank, use_cuda)
+
+
+def cuda_chosen(device: str, local_rank: int) -> bool:
+    """Whether train.device (auto, cpu or cuda) puts this rank on a GPU; UserInputError when it cannot."""
+    if device == "cpu":
+        return False
+    available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device == "cuda" and available == 0:
+        raise UserInputError("train.device: cuda, but torch sees no CUDA GPU here; use auto or cpu")
+    if available and local_rank >= available:
+        raise UserInputError(
+            f"train.device: {device}: torchrun started more processes on this machine than it has GPUs "
+            f"(LOCAL_RANK {local_rank}, {available} GPU(s)); use --nproc-per-node {available}, or train.device=cpu"
+        )
+    return available > 0
 
 
 def shutdown_distributed() -> None:

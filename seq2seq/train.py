@@ -79,7 +79,7 @@ class Trainer:
     def __init__(self, config: Config, run_dir: Path, *, resume: bool = False, show_progress: bool = True) -> None:
         self.config, self.run_dir = config, RunDir(Path(run_dir))
         tc = config.train
-        self.dist = setup_distributed()
+        self.dist = setup_distributed(tc.device)
         self.show_progress = show_progress and self.dist.is_main
         if tc.threads:
             torch.set_num_threads(tc.threads)

@@ -1,4 +1,5 @@
-"""DDP on CPU with gloo: two ranks equal one process with the same global batch, and resume works."""
+"""DDP on CPU with gloo: two ranks equal one process with the same global batch, and resume works;
+a launch that train.device cannot place is one clear error."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import torch
 import yaml
 
 from seq2seq.checkpoint import Checkpoint
+from seq2seq.distributed import cuda_chosen
+from seq2seq.errors import UserInputError
 
 from .conftest import tiny_config_dict
 
@@ -33,7 +36,7 @@ def final_parameters(run_dir: Path) -> dict[str, torch.Tensor]:
 
 @pytest.fixture
 def config(tmp_path, tiny_data) -> Path:
-    raw = tiny_config_dict(tiny_data, max_steps=6, save_every=3, valid_every=100, log_every=3, threads=1)
+    raw = tiny_config_dict(tiny_data, max_steps=6, save_every=3, valid_every=100, log_every=3, threads=1, device="cpu")
     raw["model"]["dropout"] = 0.0  # ranks draw their own dropout masks; compare the arithmetic alone
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(raw))
@@ -60,3 +63,18 @@ def test_two_ranks_resume_where_they_stopped(tmp_path, config):
     for name, tensor in straight.items():
         torch.testing.assert_close(resumed[name], tensor, atol=1e-6, rtol=0, msg=name)
     assert Checkpoint.load(tmp_path / "stopped" / "checkpoints" / "last.pt").progress.step == 6
+
+
+def test_more_ranks_than_gpus_is_one_clear_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert cuda_chosen("auto", local_rank=0) and not cuda_chosen("cpu", local_rank=1)
+    with pytest.raises(UserInputError, match=r"LOCAL_RANK 1, 1 GPU\(s\).*--nproc-per-node 1, or train.device=cpu"):
+        cuda_chosen("auto", local_rank=1)
+
+
+def test_cuda_asked_for_without_a_gpu_is_one_clear_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not cuda_chosen("auto", local_rank=0)
+    with pytest.raises(UserInputError, match="train.device: cuda, but torch sees no CUDA GPU"):
+        cuda_chosen("cuda", local_rank=0)
