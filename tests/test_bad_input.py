@@ -103,7 +103,7 @@ CASES = {
     "translate -c a plain directory": Case(lambda w: ["translate", "-c", w.folder],
                                            lambda w: [str(w.folder), "not an exported model"], input="a cat\n"),
     "translate --beam 0": Case(lambda w: ["translate", "-c", w.checkpoint, "--beam", "0"],
-                               lambda w: ["--beam", "greater than or equal to 1"], input="a cat\n"),
+                               lambda w: ["Invalid value for '--beam'"], input="a cat\n"),
     "translate a non-finite setting": Case(
         lambda w: ["translate", "-c", w.checkpoint, "--set", "decode.length_penalty=.nan"],
         lambda w: ["decode.length_penalty", "expected a finite number"], input="a cat\n"),

@@ -27,7 +27,7 @@ def test_checkpoint_is_self_contained_for_inference(tmp_path, tiny_data):
     assert saved == ["best.pt", "last.pt", "step_00000010.pt"]  # keep_last: 1
     bundle = load_for_inference(result.last_checkpoint)
     for name, tensor in trainer.model.state_dict().items():
-        assert torch.equal(tensor, bundle.model.state_dict()[name])
+        assert torch.equal(tensor.cpu(), bundle.model.state_dict()[name].cpu())
     assert bundle.tokenizer.encode_src(["the cat"]) == trainer.tokenizer.encode_src(["the cat"])
     assert bundle.config == trainer.config
     assert (tmp_path / "run" / "config.yaml").exists()

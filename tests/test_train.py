@@ -21,6 +21,8 @@ from seq2seq.train import Trainer
 
 from .conftest import make_trainer, tiny_config_dict
 
+PINNED_WITH_TORCH = "2.13.0"  # the Makefile's torch, on CPU
+
 
 @pytest.mark.slow
 def test_tiny_model_learns_loss_falls_and_bleu_rises(tmp_path, tiny_data):
@@ -35,9 +37,13 @@ def test_tiny_model_learns_loss_falls_and_bleu_rises(tmp_path, tiny_data):
     assert final_bleu > untrained.bleu + 25.0
 
 
+@pytest.mark.skipif(
+    torch.__version__.split("+")[0] != PINNED_WITH_TORCH, reason=f"losses pinned with torch {PINNED_WITH_TORCH}"
+)
 def test_first_losses_are_pinned(tmp_path, tiny_data):
-    """A loss-regression test: the first steps of the tiny config must not drift silently."""
-    trainer = make_trainer(tmp_path, tiny_data, max_steps=4, log_every=1, valid_every=100)
+    """A loss-regression test: the first steps of the tiny config must not drift silently. The figures
+    are one build's arithmetic (torch 2.11 on the GPU machine's CPU gave 6.625 for the first)."""
+    trainer = make_trainer(tmp_path, tiny_data, max_steps=4, log_every=1, valid_every=100, device="cpu")
     trainer.run()
     losses = [round(r["loss"], 3) for r in trainer.metrics.read() if r["kind"] == "train"]
     assert losses == pytest.approx(PINNED_LOSSES, abs=2e-3)
