@@ -77,7 +77,7 @@ class TorchTransformerDecoder:
         hidden = self.reference.decoder(
             self.model.embed(self.model.tgt_embed, prefix, 0),
             memory.repeat_interleave(beams, 0),
-            tgt_mask=torch.ones(length, length, dtype=torch.bool).triu(1),
+            tgt_mask=torch.ones(length, length, dtype=torch.bool, device=prefix.device).triu(1),
             memory_key_padding_mask=~src_mask[:, 0, 0, :].repeat_interleave(beams, 0),
         )
         return self.model.output_proj(hidden[:, -1:])
@@ -96,17 +96,19 @@ def main() -> int:
     parser.add_argument("--sentences", type=int, default=1000)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     parser.add_argument("--references", type=Path, help="references of --input: adds the CTranslate2 sides")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where every side decodes")
     args = parser.parse_args()
     if not args.checkpoint.exists() or not args.input.exists():
         print(f"error: {args.checkpoint} or {args.input} missing; run `make demo` first", file=sys.stderr)
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
-    bundle = load_for_inference(args.checkpoint)
+    bundle = load_for_inference(args.checkpoint, args.device)
     model, tokenizer = bundle.model, bundle.tokenizer
     lines = list(read_lines(args.input))[: args.sentences]
     base = dataclasses.replace(bundle.config.decode, nbest=1)
-    print(f"model: {args.checkpoint} | {len(lines)} sentences from {args.input} | threads {torch.get_num_threads()}")
+    where = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    print(f"model: {args.checkpoint} | {len(lines)} sentences from {args.input} | {where}")
 
     reference = TorchTransformerDecoder(model)
     print("\n| search | decoder | sentences/s | generated tokens/s | speed-up | same output |")
@@ -126,7 +128,7 @@ def main() -> int:
     print("(target: seq2seq >= 2x the reference in generated tokens/s, greedy and beam 5)")
 
     encoded = tokenizer.encode_src(lines[:64])
-    batch = pad(encoded)
+    batch = pad(encoded).to(args.device)
     forced = DecodeConfig(beam=5, min_len=40, max_len_a=0.0, max_len_b=40, length_norm="none")
     cached_hyps, cached = timed(lambda: search(model, batch, forced))
     recomputed_hyps, recomputed = timed(lambda: search(RecomputingDecoder(model), batch, forced))
@@ -136,7 +138,7 @@ def main() -> int:
 
     natural = dataclasses.replace(base, beam=5)
     _, batched = timed(lambda: search(model, batch, natural))
-    _, one_by_one = timed(lambda: [search(model, pad([ids]), natural) for ids in encoded])
+    _, one_by_one = timed(lambda: [search(model, pad([ids]).to(args.device), natural) for ids in encoded])
     print(f"batched beam 5, 64 sentences: batch of 64 {batched:.2f}s, one at a time {one_by_one:.2f}s "
           f"-> {one_by_one / batched:.1f}x (target >= 5x)")  # fmt: skip
     print(f"peak RSS: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:,.0f} MiB")
@@ -161,7 +163,7 @@ def shipped_sides(args, lines: list[str], references: list[str]) -> None:
         rows = {}
         for name, model in models.items():
             queue = context.Queue()
-            process = context.Process(target=_decode_side, args=(model, lines, references, args.threads, queue))
+            process = context.Process(target=_decode_side, args=(model, lines, references, args, queue))
             process.start()
             rows[name] = queue.get()
             process.join()
@@ -179,13 +181,13 @@ def shipped_sides(args, lines: list[str], references: list[str]) -> None:
           f"tokens/s (target >= 2x), BLEU {int8[2] - float32[2]:+.2f} against float32 (target within 0.5)")  # fmt: skip
 
 
-def _decode_side(model: Path, lines: list[str], references: list[str], threads: int, queue) -> None:
+def _decode_side(model: Path, lines: list[str], references: list[str], args, queue) -> None:
     from seq2seq.scoring import score
     from seq2seq.tokenizer import Tokenizer
 
-    if threads:
-        torch.set_num_threads(threads)
-    translator = Translator.load(model, device="cpu")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    translator = Translator.load(model, device=args.device)
     # the target tokenizer counts generated tokens the same way for every side
     tokenizer = translator.bundle.tokenizer if translator.bundle else Tokenizer.load(model)
     row = {}
