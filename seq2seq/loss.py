@@ -16,7 +16,17 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-CHUNK_ROWS = 256  # 256 x 8k-vocabulary fp32 rows = 8 MiB: fits in a CPU's last-level cache
+CHUNK_ROWS = 256  # on CPU: 256 x 8k-vocabulary fp32 rows = 8 MiB, which fits in the last-level cache
+GPU_CHUNK_ELEMENTS = 1 << 26  # on GPU: 256 MiB of fp32 per buffer; a 16k-token batch is one or a few chunks
+
+
+def chunk_rows(logits: Tensor) -> int:
+    """Rows per chunk. A CPU wants chunks that stay in its cache; a GPU wants few, large ones, since
+    every chunk launches about ten kernels, and 256-row chunks made the loss of a 16k-token batch some
+    1,300 launches a step, host time that the GPU waited for."""
+    if logits.device.type == "cpu":
+        return CHUNK_ROWS
+    return max(1, GPU_CHUNK_ELEMENTS // logits.size(1))
 
 
 class _LabelSmoothedCrossEntropy(torch.autograd.Function):
@@ -26,8 +36,9 @@ class _LabelSmoothedCrossEntropy(torch.autograd.Function):
         compute_dtype = torch.promote_types(logits.dtype, torch.float32)
         total = torch.zeros((), dtype=torch.float64, device=logits.device)
         chunk_in, chunk_out = _chunk_buffers(logits, compute_dtype)
-        for start in range(0, rows_in_use, CHUNK_ROWS):
-            rows = slice(start, min(start + CHUNK_ROWS, rows_in_use))
+        step = chunk_in.size(0)
+        for start in range(0, rows_in_use, step):
+            rows = slice(start, min(start + step, rows_in_use))
             count = rows.stop - start
             z = chunk_in[:count].copy_(logits[rows])
             log_probs = torch.log_softmax(z, dim=-1, out=chunk_out[:count])
@@ -46,8 +57,9 @@ class _LabelSmoothedCrossEntropy(torch.autograd.Function):
         grad = torch.empty_like(logits)
         grad[rows_in_use:] = 0.0  # padding rows
         chunk_in, chunk_out = _chunk_buffers(logits, compute_dtype)
-        for start in range(0, rows_in_use, CHUNK_ROWS):
-            rows = slice(start, min(start + CHUNK_ROWS, rows_in_use))
+        step = chunk_in.size(0)
+        for start in range(0, rows_in_use, step):
+            rows = slice(start, min(start + step, rows_in_use))
             count = rows.stop - start
             z = torch.softmax(chunk_in[:count].copy_(logits[rows]), dim=-1, out=chunk_out[:count])
             z.sub_(smoothing / vocab)
@@ -58,7 +70,7 @@ class _LabelSmoothedCrossEntropy(torch.autograd.Function):
 
 def _chunk_buffers(logits: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """Two reused chunk-sized buffers: for the logits cast to `dtype`, and for their (log-)softmax."""
-    shape = (min(CHUNK_ROWS, logits.size(0)), logits.size(1))
+    shape = (max(1, min(chunk_rows(logits), logits.size(0))), logits.size(1))
     return tuple(torch.empty(shape, dtype=dtype, device=logits.device) for _ in range(2))
 
 

@@ -64,3 +64,20 @@ def test_logit_rows_past_the_targets_are_padding(monkeypatch, dtype):
     torch.testing.assert_close(ours.double(), reference, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(grad[:23], grad_reference.to(dtype), rtol=1e-2, atol=1e-3)
     assert torch.count_nonzero(grad[23:]) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_chunks_of_bf16_logits_match_the_fp32_computation(monkeypatch):
+    """On a GPU the chunks are sized by GPU_CHUNK_ELEMENTS, not CHUNK_ROWS: ragged ones must be exact too."""
+    monkeypatch.setattr(loss_module, "GPU_CHUNK_ELEMENTS", 7 * 11)  # 7 rows of 11 classes per chunk
+    logits = (torch.randn(32, 11, device="cuda") * 3).to(torch.bfloat16).requires_grad_()
+    target = torch.randint(0, 11, (30,), device="cuda")
+    ours = label_smoothed_cross_entropy(logits, target, 0.1)
+    (grad,) = torch.autograd.grad(ours, logits)
+    exact = logits.detach()[:30].float().requires_grad_()
+    reference = F.cross_entropy(exact, target, label_smoothing=0.1, reduction="sum")
+    (grad_reference,) = torch.autograd.grad(reference, exact)
+    torch.testing.assert_close(ours, reference)
+    torch.testing.assert_close(grad[:30], grad_reference.to(torch.bfloat16))
+    assert torch.count_nonzero(grad[30:]) == 0
