@@ -50,7 +50,7 @@ from seq2seq.model import build_model, sinusoidal_positions
 from seq2seq.run_log import PeakRss, current_rss_mb, peak_memory_mb
 from seq2seq.special_tokens import PAD_ID
 from seq2seq.tokenizer import Tokenizer, load_or_train_tokenizer
-from seq2seq.train_step import build_optimizer, build_scaler, train_step
+from seq2seq.train_step import build_optimizer, build_scaler, compile_for_training, train_step
 
 COMMON = ["model.norm=post", "model.dropout=0.1", "model.share_embeddings=true"]
 MODELS = {  # the CPU model, and Transformer-base of "Attention Is All You Need"
@@ -224,7 +224,7 @@ def run_side(args, side: str, queue) -> None:
     if side.startswith("ours"):
         torch.manual_seed(config.train.seed)
         model = build_model(cfg, tokenizer).to(DEVICE)
-        forward = torch.compile(model) if args.compile else model
+        forward = compile_for_training(model) if args.compile else model
         optimizer, scaler = build_optimizer(model, config.train), build_scaler(DEVICE, config.train.precision)
 
         def our_step(batch):

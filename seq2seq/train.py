@@ -28,7 +28,14 @@ from seq2seq.model import build_model
 from seq2seq.run_dir import RunDir, check_resumable, prepare_run
 from seq2seq.run_log import MetricsLog, PeakRss, log_to_file, memory_figures
 from seq2seq.schedule import learning_rate
-from seq2seq.train_step import StepResult, autocast, build_optimizer, build_scaler, train_step
+from seq2seq.train_step import (
+    StepResult,
+    autocast,
+    build_optimizer,
+    build_scaler,
+    compile_for_training,
+    train_step,
+)
 from seq2seq.validation import ValidationResult, validate
 
 log = logging.getLogger(__name__)
@@ -111,7 +118,7 @@ class Trainer:
             torch.manual_seed(tc.seed + 7919 * self.dist.rank)
         self.ddp = DistributedDataParallel(self.model) if self.dist.enabled else None
         wrapped = self.ddp or self.model
-        self.forward = torch.compile(wrapped) if tc.compile else wrapped
+        self.forward = compile_for_training(wrapped) if tc.compile else wrapped
         self.optimizer = build_optimizer(self.model, tc)
         self.scaler = build_scaler(self.device, tc.precision)
         self.progress = Progress()

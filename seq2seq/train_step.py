@@ -47,6 +47,18 @@ def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimi
     )
 
 
+def compile_for_training(module: nn.Module) -> Callable[..., Tensor]:
+    """torch.compile with every size symbolic from the first step.
+
+    Token-bucketed batches change (sentences, length) at almost every step. Left to find out which
+    sizes vary, torch.compile recompiled for each new combination until its limit of 8 and then ran
+    the model eagerly: on an H100 (Transformer-base, bf16) 266 s of compiling for eager speed. With
+    dynamic sizes it compiles twice (once more for a length that is not a multiple of 8) and steps
+    11% faster than eager there (README, GPU).
+    """
+    return torch.compile(module, dynamic=True)
+
+
 def build_scaler(device: torch.device, precision: str) -> torch.amp.GradScaler:
     """Loss scaling for fp16 only; for the other precisions a disabled scaler that passes through."""
     return torch.amp.GradScaler(device.type, enabled=precision == "fp16")
