@@ -1,0 +1,100 @@
+#!/usr/bin/env python3
+"""Where a training step's time goes: wall time, device busy time, kernel launches and the top ops.
+
+benchmark_train.py says how fast; this says why. It runs our train step on the same token-bucketed
+batches, times --steps steps after --warmup untimed ones (a compiled model compiles in the warm-up:
+three times on Transformer-base, README, GPU), then profiles --profile-steps more with
+torch.profiler. A step whose wall time is well over its device busy time is bound by the host
+(Python and kernel launches), one close to it by the device's kernels; the table of ops by device
+time says which. Runs on the GPU when there is one, else on the CPU (no device time there).
+
+    python scripts/profile_train.py --model base --max-tokens 16000 --precision bf16          # on a GPU
+    python scripts/profile_train.py --model base --max-tokens 16000 --precision bf16 --compile --warmup 60
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+from benchmark_train import DEVICE, MODELS, prepare, step_flops, synchronize, training_order
+from seq2seq.data.batching import make_batch
+from seq2seq.model import build_model
+from seq2seq.train_step import build_optimizer, build_scaler, compile_for_training, train_step
+
+LAUNCH_CALLS = {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx"}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", type=Path, default=Path("configs/bible_en_es.yaml"))
+    parser.add_argument("--model", choices=sorted(MODELS), default="small")
+    parser.add_argument("--max-tokens", type=int, default=4000)
+    parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="bf16")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model, as train.compile does")
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--profile-steps", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rows", type=int, default=15, help="rows of each table of ops")
+    args = parser.parse_args()
+    args.set = []
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as work:
+        args.work = work
+        config, tokenizer, corpus = prepare(args, args.precision)
+        total = args.warmup + args.steps + args.profile_steps
+        batches = [make_batch(corpus, indices) for indices in training_order(corpus, args.max_tokens, total)]
+    torch.manual_seed(config.train.seed)
+    model = build_model(config.model, tokenizer).to(DEVICE)
+    forward = compile_for_training(model) if args.compile else model
+    optimizer, scaler = build_optimizer(model, config.train), build_scaler(DEVICE, args.precision)
+
+    def step(batch) -> None:
+        train_step(model, optimizer, scaler, [batch], update_tokens=batch.num_tokens, lr=1e-4,
+                   config=config.train, forward=forward)  # fmt: skip
+
+    warmup, timed, profiled = (batches[: args.warmup], batches[args.warmup : -args.profile_steps],
+                               batches[-args.profile_steps :])  # fmt: skip
+    for batch in warmup:
+        step(batch)
+    synchronize()
+    start = time.perf_counter()
+    for batch in timed:
+        step(batch)
+    synchronize()
+    wall = (time.perf_counter() - start) / len(timed)
+    cfg = config.model
+    flops = sum(step_flops(b, cfg.d_model, cfg.ffn_dim, cfg.encoder_layers, tokenizer.tgt_vocab_size) for b in timed)
+    tokens = sum(b.num_tokens for b in timed)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE.type == "cuda" else [])
+    with profile(activities=activities) as trace:
+        for batch in profiled:
+            step(batch)
+        synchronize()
+    events = trace.key_averages()
+    per_step = len(profiled)
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA and not e.is_user_annotation]  # as the table sums them
+    busy = sum(e.self_device_time_total for e in kernels) / per_step / 1e3
+    launches = sum(e.count for e in events if e.key in LAUNCH_CALLS) / per_step
+    sort_by = "self_device_time_total" if DEVICE.type == "cuda" else "self_cpu_time_total"
+    print(events.table(sort_by=sort_by, row_limit=args.rows, max_name_column_width=70))
+    print(f"{args.model} {args.precision}{' compiled' if args.compile else ''} on {DEVICE.type}, "
+          f"{args.max_tokens} tokens/batch, {len(timed)} timed steps after {len(warmup)}:")  # fmt: skip
+    print(f"  {wall * 1e3:.1f} ms/step, {tokens / len(timed) / wall:,.0f} target tokens/s, "
+          f"{flops / len(timed) / wall / 1e12:.1f} model TFLOP/s")  # fmt: skip
+    if DEVICE.type == "cuda":
+        print(f"  device busy {busy:.1f} ms/step ({busy / (wall * 1e3):.0%} of the wall time), "
+              f"{launches:,.0f} kernel launches/step (profiled steps)")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
