@@ -158,14 +158,7 @@ class MultiHeadAttention(nn.Module):
         q = self.split_heads(rows.unflatten(self.q_proj(query)))
         dropout_p = self.dropout if self.training else 0.0
         if q.device.type == "cpu" and q.dtype == torch.bfloat16:
-            # PyTorch's fused CPU kernel is ~3x slower in bf16 than this explicit path (measured fwd+bwd
-            # at 130 x 4 heads x 40 tokens); on GPU and in fp32 the fused kernel wins. Both products run
-            # in fp32: a bf16 batched matmul makes oneDNN compile and keep a kernel (~1.5 MiB) for every
-            # (batch, length, length) shape it meets, and these change with every batch (README,
-            # Performance: memory); fp32 ones go to MKL, which keeps nothing, at no cost in step time.
-            probs = dropout(_probabilities(q, k, mask, is_causal), dropout_p, training=self.training)
-            with torch.autocast(q.device.type, enabled=False):
-                out = (probs @ v.float()).to(v.dtype)
+            out = _cpu_bf16_attention(q, k, v, mask=mask, is_causal=is_causal, dropout_p=dropout_p)
         else:
             with sdpa_kernel(FUSED_ATTENTION_BACKENDS):
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
@@ -174,6 +167,31 @@ class MultiHeadAttention(nn.Module):
     def weights(self, query: Tensor, rows: Rows, k: Tensor, mask: Tensor | None) -> Tensor:
         """The attention probabilities (B, h, Tq, Tk), for plots; the fused kernel does not return them."""
         return _probabilities(self.split_heads(rows.unflatten(self.q_proj(query))), k, mask, is_causal=False)
+
+
+def _cpu_bf16_attention(
+    q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, is_causal: bool, dropout_p: float
+) -> Tensor:
+    """Attention of bf16 q, k, v on a CPU, computed in fp32 and returned in bf16.
+
+    In fp32 because PyTorch's fused CPU kernel is ~3x slower in bf16, and a bf16 batched matmul makes
+    oneDNN compile and keep a kernel (~1.5 MiB) for every (batch, length, length) shape it meets,
+    which change with every batch (README, Performance: memory). Through the fused kernel because
+    the explicit softmax(q k^T) v allocates the (B, h, Tq, Tk) scores, probabilities and their
+    gradients, in sizes that change with every batch too, and glibc's heap kept holes of them: on
+    the bible config, 200-step probes of the fused path peaked ~80 MiB lower per window and stepped
+    11% faster than the explicit one (README, Performance: memory). PyTorch's fused CPU kernels have
+    no attention dropout; with it, the explicit path, which uses our cheap dropout mask.
+    """
+    with torch.autocast(q.device.type, enabled=False):
+        if dropout_p == 0.0:
+            with sdpa_kernel(FUSED_ATTENTION_BACKENDS):
+                out = F.scaled_dot_product_attention(
+                    q.float(), k.float(), v.float(), attn_mask=mask, is_causal=is_causal
+                )
+        else:
+            out = dropout(_probabilities(q, k, mask, is_causal), dropout_p, training=True) @ v.float()
+    return out.to(v.dtype)
 
 
 def _probabilities(q: Tensor, k: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor:

@@ -6,11 +6,12 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from seq2seq.config import ModelConfig
 from seq2seq.interop import to_torch_transformer
-from seq2seq.layers import ROW_MULTIPLE, Memory, Rows
+from seq2seq.layers import ROW_MULTIPLE, Memory, Rows, _cpu_bf16_attention
 from seq2seq.model import Seq2SeqTransformer, sinusoidal_positions
 from seq2seq.special_tokens import PAD_ID, padding_mask
 
@@ -180,10 +181,24 @@ def test_bf16_cpu_attention_path_matches_the_fused_kernel():
     with torch.no_grad():
         fp32 = model(src, tgt)  # fused scaled_dot_product_attention
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            bf16 = model(src, tgt)  # the explicit matmul path
+            bf16 = model(src, tgt)  # bf16 projections, attention itself in fp32 (layers._cpu_bf16_attention)
     assert bf16.dtype == torch.bfloat16
     torch.testing.assert_close(bf16.float(), fp32, atol=0.15, rtol=0.05)
     assert (bf16.float().argmax(-1) == fp32.argmax(-1)).float().mean() > 0.9
+
+
+def test_bf16_cpu_attention_with_dropout_is_the_same_attention_on_average():
+    """With attention dropout the fused CPU kernels do not apply and the explicit path runs: averaged
+    over many dropout masks it must give what the fused kernel gives without dropout."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, HEADS, 5, 8).bfloat16() for _ in range(3))
+    mask = torch.tensor([[True] * 5, [True] * 3 + [False] * 2]).view(2, 1, 1, 5)
+    without = _cpu_bf16_attention(q, k, v, mask=mask, is_causal=False, dropout_p=0.0)
+    draws = torch.stack([_cpu_bf16_attention(q, k, v, mask=mask, is_causal=False, dropout_p=0.2) for _ in range(3000)])
+    exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask)
+    torch.testing.assert_close(without.double(), exact, atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(draws.double().mean(0), exact, atol=5e-2, rtol=0)
+    assert not torch.equal(draws[0], draws[1])  # dropout did act
 
 
 def test_bf16_cpu_attention_keeps_scores_and_softmax_in_fp32():
