@@ -21,10 +21,10 @@ import time
 from pathlib import Path
 
 import torch
+from benchmark_train import DEVICE, MODELS, prepare, step_flops, synchronize, training_order
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from benchmark_train import DEVICE, MODELS, prepare, step_flops, synchronize, training_order
 from seq2seq.data.batching import make_batch
 from seq2seq.model import build_model
 from seq2seq.train_step import build_optimizer, build_scaler, compile_for_training, train_step
@@ -81,7 +81,8 @@ def main() -> int:
         synchronize()
     events = trace.key_averages()
     per_step = len(profiled)
-    kernels = [e for e in events if e.device_type == DeviceType.CUDA and not e.is_user_annotation]  # as the table sums them
+    # the device's kernels, summed as torch.profiler's table sums them
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
     busy = sum(e.self_device_time_total for e in kernels) / per_step / 1e3
     launches = sum(e.count for e in events if e.key in LAUNCH_CALLS) / per_step
     sort_by = "self_device_time_total" if DEVICE.type == "cuda" else "self_cpu_time_total"
