@@ -53,8 +53,8 @@ def compile_for_training(module: nn.Module) -> Callable[..., Tensor]:
     Token-bucketed batches change (sentences, length) at almost every step. Left to find out which
     sizes vary, torch.compile recompiled for each new combination until its limit of 8 and then ran
     the model eagerly: on an H100 (Transformer-base, bf16) 266 s of compiling for eager speed. With
-    dynamic sizes it compiles twice (once more for a length that is not a multiple of 8) and steps
-    11% faster than eager there (README, GPU).
+    dynamic sizes it compiled three times in the first 200 steps (for source and target lengths that
+    are or are not multiples of 8), and a step then took 48.9 ms against eager's 55.1 (README, GPU).
     """
     return torch.compile(module, dynamic=True)
 
