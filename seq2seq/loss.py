@@ -20,7 +20,7 @@ CHUNK_ROWS = 256  # on CPU: 256 x 8k-vocabulary fp32 rows = 8 MiB, which fits in
 GPU_CHUNK_ELEMENTS = 1 << 26  # on GPU: 256 MiB of fp32 per buffer; a 16k-token batch is one or a few chunks
 
 
-def chunk_rows(logits: Tensor) -> int:
+def _chunk_rows(logits: Tensor) -> int:
     """Rows per chunk. A CPU wants chunks that stay in its cache; a GPU wants few, large ones, since
     every chunk launches about a dozen kernels: 256-row chunks added ~770 launches to a step of
     Transformer-base on 16k tokens, host time the GPU waited for (66.0 vs 61.6 ms/step on an H100)."""
@@ -70,7 +70,7 @@ class _LabelSmoothedCrossEntropy(torch.autograd.Function):
 
 def _chunk_buffers(logits: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """Two reused chunk-sized buffers: for the logits cast to `dtype`, and for their (log-)softmax."""
-    shape = (max(1, min(chunk_rows(logits), logits.size(0))), logits.size(1))
+    shape = (max(1, min(_chunk_rows(logits), logits.size(0))), logits.size(1))
     return tuple(torch.empty(shape, dtype=dtype, device=logits.device) for _ in range(2))
 
 
