@@ -83,12 +83,21 @@ class Memory:
 
 @dataclass
 class LayerCache:
-    """One decoder layer's cached keys/values, each (B, heads, T, head_dim)."""
+    """One decoder layer's cached keys/values, each (B, heads, T, head_dim), grown by one step at a time."""
 
     self_k: Tensor | None = None
     self_v: Tensor | None = None
     cross_k: Tensor | None = None
     cross_v: Tensor | None = None
+
+    def extend(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Append the new positions' k, v (B, h, T_new, hd); return all keys, values and the causal mask
+        (T_new, T_all) that the new positions attend with (None for a single new position)."""
+        past = 0 if self.self_k is None else self.self_k.size(2)
+        if past:
+            k, v = torch.cat([self.self_k, k], dim=2), torch.cat([self.self_v, v], dim=2)
+        self.self_k, self.self_v = k, v
+        return k, v, _causal_mask(k.size(2) - past, past, k.device)
 
 
 class DecoderCache:
@@ -278,10 +287,14 @@ class DecoderLayer(nn.Module):
         self.cross_attn_block = _residual(config)
         self.ffn_block = _residual(config)
 
-    def forward(self, x: Tensor, rows: Rows, memory: Memory, src_mask: Tensor, cache: LayerCache | None) -> Tensor:
+    def forward(
+        self, x: Tensor, rows: Rows, memory: Memory | None, src_mask: Tensor, cache: LayerCache | None
+    ) -> Tensor:
         """x (rows.padded, d), flat (N, T) new target positions, N = B * beams rows grouped by sentence.
 
-        With a cache, earlier positions and the encoder's keys/values come from it.
+        With a cache, earlier positions and the encoder's keys/values come from it (a cache that holds
+        the encoder's keys/values already needs no `memory`). The cache may be any object with
+        LayerCache's fields and `extend`: graphed_decoder.StaticLayerCache keeps them in fixed buffers.
         """
         x = self.self_attn_block(x, lambda h: self._self_attention(h, rows, cache))
         x = self.cross_attn_block(x, lambda h: self._cross_attention(h, rows, memory, src_mask, cache))
@@ -298,11 +311,8 @@ class DecoderLayer(nn.Module):
         k, v = self.self_attn.project_kv(h, rows)
         if cache is None:  # teacher forcing: the whole prefix at once, the future masked
             return self.self_attn.attend(h, rows, k, v, mask=None, is_causal=True)
-        past = 0 if cache.self_k is None else cache.self_k.size(2)
-        if past:
-            k, v = torch.cat([cache.self_k, k], dim=2), torch.cat([cache.self_v, v], dim=2)
-        cache.self_k, cache.self_v = k, v
-        return self.self_attn.attend(h, rows, k, v, mask=_causal_mask(rows.length, past, h.device))
+        k, v, mask = cache.extend(k, v)
+        return self.self_attn.attend(h, rows, k, v, mask=mask)
 
     def _cross_attention(
         self, h: Tensor, rows: Rows, memory: Memory, src_mask: Tensor, cache: LayerCache | None

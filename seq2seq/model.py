@@ -59,9 +59,11 @@ class Seq2SeqTransformer(nn.Module):
         for embedding in (self.src_embed, self.tgt_embed):
             nn.init.zeros_(embedding.weight[PAD_ID])
 
-    def embed(self, embedding: nn.Embedding, tokens: Tensor, start: int) -> Tensor:
-        """Scaled token embeddings plus sinusoidal positions start, start+1, ...: (B, T) -> (B, T, d)."""
-        positions = torch.arange(start, start + tokens.size(1), device=tokens.device)
+    def embed(self, embedding: nn.Embedding, tokens: Tensor, start: int | Tensor) -> Tensor:
+        """Scaled token embeddings plus sinusoidal positions start, start+1, ...: (B, T) -> (B, T, d).
+
+        `start` may be a (1,) device tensor, so that a captured CUDA graph reads it at each replay."""
+        positions = torch.arange(tokens.size(1), device=tokens.device) + start
         x = embedding(tokens) * math.sqrt(self.config.d_model)
         return self.dropout(x + sinusoidal_positions(positions, self.config.d_model).to(x.dtype))
 

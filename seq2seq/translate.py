@@ -10,6 +10,7 @@ from tqdm import tqdm
 from seq2seq.config import DecodeConfig
 from seq2seq.data.batching import pad, token_batches
 from seq2seq.data.sources import normalize
+from seq2seq.graphed_decoder import GraphedDecoder, graphs_apply
 from seq2seq.search import search
 from seq2seq.tokenizer import Tokenizer
 from seq2seq.translator import Translation
@@ -23,8 +24,12 @@ def translate_lines(
     *,
     progress: bool = False,
 ) -> list[Translation]:
-    """Translate many lines at once; output order equals input order."""
+    """Translate many lines at once; output order equals input order.
+
+    On a CUDA GPU our model decodes through CUDA graphs (graphed_decoder.py says why); the outputs
+    are the same."""
     device = next(model.parameters()).device
+    decoder = GraphedDecoder(model) if graphs_apply(model) else model
     texts = [normalize(line) for line in lines]
     non_empty = np.array([i for i, text in enumerate(texts) if text], dtype=np.int64)
     encoded = tokenizer.encode_src([texts[i] for i in non_empty])
@@ -35,7 +40,7 @@ def translate_lines(
         bar.update(len(lines) - len(non_empty))
         for indices in batches:
             src = pad([encoded[i] for i in indices]).to(device)
-            for index, hyps in zip(non_empty[indices].tolist(), search(model, src, config)):
+            for index, hyps in zip(non_empty[indices].tolist(), search(decoder, src, config)):
                 results[index] = Translation([(tokenizer.decode_tgt(h.tokens), h.score) for h in hyps])
             bar.update(len(indices))
     return results
