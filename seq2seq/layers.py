@@ -135,6 +135,19 @@ class DecoderCache:
 # almost every step, so bf16 training of Transformer-base ran at 36k tokens/s against fp32's 99k (README,
 # GPU). Flash and memory-efficient attention take any shape at no host cost; the math path backs them up.
 FUSED_ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+# The same kernels, memory-efficient first, for sequences of at most SHORT_ATTENTION positions on a GPU.
+# Flash attention works in tiles of 128 positions, so a ~40-token sentence leaves most of each tile idle;
+# the memory-efficient kernel is faster there, flash past ~100 positions (scripts/benchmark_attention.py
+# measures both; its figures are in the README, GPU).
+SHORT_ATTENTION = 96
+SHORT_ATTENTION_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+
+
+def _gpu_attention_backends(query_length: int, key_length: int) -> list[SDPBackend]:
+    """The fused attention kernels to try on a GPU, in order of preference for these lengths."""
+    if max(query_length, key_length) <= SHORT_ATTENTION:
+        return SHORT_ATTENTION_BACKENDS
+    return FUSED_ATTENTION_BACKENDS
 
 
 class MultiHeadAttention(nn.Module):
@@ -168,6 +181,9 @@ class MultiHeadAttention(nn.Module):
         dropout_p = self.dropout if self.training else 0.0
         if q.device.type == "cpu" and q.dtype == torch.bfloat16:
             out = _cpu_bf16_attention(q, k, v, mask=mask, is_causal=is_causal, dropout_p=dropout_p)
+        elif q.device.type == "cuda":
+            with sdpa_kernel(_gpu_attention_backends(q.size(-2), k.size(-2)), set_priority=True):
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
         else:
             with sdpa_kernel(FUSED_ATTENTION_BACKENDS):
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)

@@ -95,3 +95,18 @@ def test_cached_decoding_equals_full_pass_with_fused_attention():
         memory, cache = model.encode(src, mask), model.new_cache()
         steps = torch.cat([model.decode(tgt[:, t : t + 1], memory, mask, cache) for t in range(6)], dim=1)
     torch.testing.assert_close(steps, full, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("length", "kernel"), [(40, "_efficient_attention"), (200, "_flash_attention")])
+def test_short_sentences_take_the_memory_efficient_kernel_long_ones_flash(length, kernel):
+    """Flash attention's 128-position tiles waste most of their work on ~40-token sentences, where the
+    memory-efficient kernel is faster (scripts/benchmark_attention.py); past SHORT_ATTENTION, flash."""
+    from torch.profiler import ProfilerActivity, profile
+
+    config = ModelConfig(d_model=128, heads=2, encoder_layers=1, decoder_layers=1, ffn_dim=256, dropout=0.0)
+    model = Seq2SeqTransformer(config, src_vocab_size=50, tgt_vocab_size=50).cuda()
+    tgt = torch.randint(4, 50, (3, length), device="cuda")
+    with profile(activities=[ProfilerActivity.CPU]) as prof, torch.autocast("cuda", dtype=torch.bfloat16):
+        model(tgt, tgt).float().sum().backward()
+    names = {event.key for event in prof.key_averages()}
+    assert any(kernel in name for name in names), sorted(name for name in names if "attention" in name)
