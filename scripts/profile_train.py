@@ -30,28 +30,27 @@ from seq2seq.model import build_model
 from seq2seq.train_step import build_optimizer, build_scaler, compile_for_training, train_step
 
 LAUNCH_CALLS = {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx"}
+# What a kernel does, read off its name (first match wins): the device time of a step by kind of work.
+KERNEL_KINDS = [
+    ("attention", ("flash", "fmha", "attention", "mem_eff")),
+    ("matrix products", ("gemm", "nvjet", "xmma", "cutlass", "sm90_", "sm80_", "ampere_", "wgmma")),
+    ("loss (softmax)", ("softmax",)),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("layer norm", ("layer_norm", "layernorm")),
+    ("dropout", ("dropout", "philox", "bernoulli")),
+    ("compiled (triton)", ("triton",)),
+    ("reductions", ("reduce",)),
+    ("gather/scatter/index", ("index", "gather", "scatter", "embedding")),
+    ("copies/casts", ("copy", "cast", "memcpy", "memset", "cat")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled")),
+]
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", type=Path, default=Path("configs/bible_en_es.yaml"))
-    parser.add_argument("--model", choices=sorted(MODELS), default="small")
-    parser.add_argument("--max-tokens", type=int, default=4000)
-    parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="bf16")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the model, as train.compile does")
-    parser.add_argument("--warmup", type=int, default=20)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--profile-steps", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--rows", type=int, default=15, help="rows of each table of ops")
-    args = parser.parse_args()
-    args.set = []
-    torch.set_num_threads(args.threads)
-    with tempfile.TemporaryDirectory() as work:
-        args.work = work
-        config, tokenizer, corpus = prepare(args, args.precision)
-        total = args.warmup + args.steps + args.profile_steps
-        batches = [make_batch(corpus, indices) for indices in training_order(corpus, args.max_tokens, total)]
+def profile_size(args) -> list[str]:
+    """Time and profile our train step at args.max_tokens; print the tables, return the summary row."""
+    config, tokenizer, corpus = prepare(args, args.precision)
+    total = args.warmup + args.steps + args.profile_steps
+    batches = [make_batch(corpus, indices) for indices in training_order(corpus, args.max_tokens, total)]
     torch.manual_seed(config.train.seed)
     model = build_model(config.model, tokenizer).to(DEVICE)
     forward = compile_for_training(model) if args.compile else model
@@ -87,13 +86,60 @@ def main() -> int:
     launches = sum(e.count for e in events if e.key in LAUNCH_CALLS) / per_step
     sort_by = "self_device_time_total" if DEVICE.type == "cuda" else "self_cpu_time_total"
     print(events.table(sort_by=sort_by, row_limit=args.rows, max_name_column_width=70))
-    print(f"{args.model} {args.precision}{' compiled' if args.compile else ''} on {DEVICE.type}, "
-          f"{args.max_tokens} tokens/batch, {len(timed)} timed steps after {len(warmup)}:")  # fmt: skip
+    title = (f"{args.model} {args.precision}{' compiled' if args.compile else ''} on {DEVICE.type}, "
+             f"{args.max_tokens} tokens/batch, {len(timed)} timed steps after {len(warmup)}")  # fmt: skip
+    print(f"{title}:")
     print(f"  {wall * 1e3:.1f} ms/step, {tokens / len(timed) / wall:,.0f} target tokens/s, "
           f"{flops / len(timed) / wall / 1e12:.1f} model TFLOP/s")  # fmt: skip
     if DEVICE.type == "cuda":
         print(f"  device busy {busy:.1f} ms/step ({busy / (wall * 1e3):.0%} of the wall time), "
               f"{launches:,.0f} kernel launches/step (profiled steps)")  # fmt: skip
+        print("  device time by kind of kernel (ms/step, launches/step):")
+        for kind, (ms, count) in kernel_kinds(kernels, per_step).items():
+            print(f"    {kind:<22} {ms:6.2f} ms {ms / busy:5.0%} {count:7,.0f}")
+    return [f"{args.max_tokens:,}", f"{wall * 1e3:.1f}", f"{tokens / len(timed) / wall:,.0f}",
+            f"{flops / len(timed) / wall / 1e12:.1f}", f"{busy:.1f}" if DEVICE.type == "cuda" else "-",
+            f"{launches:,.0f}" if DEVICE.type == "cuda" else "-"]  # fmt: skip
+
+
+def kernel_kinds(kernels, per_step: int) -> dict[str, tuple[float, float]]:
+    """Device ms and launches per step, summed by KERNEL_KINDS (unmatched names: "other")."""
+    totals: dict[str, list[float]] = {}
+    for event in kernels:
+        name = event.key.lower()
+        kind = next((kind for kind, words in KERNEL_KINDS if any(w in name for w in words)), "other")
+        entry = totals.setdefault(kind, [0.0, 0.0])
+        entry[0] += event.self_device_time_total / per_step / 1e3
+        entry[1] += event.count / per_step
+    return dict(sorted(((k, (v[0], v[1])) for k, v in totals.items()), key=lambda item: -item[1][0]))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", type=Path, default=Path("configs/bible_en_es.yaml"))
+    parser.add_argument("--model", choices=sorted(MODELS), default="small")
+    parser.add_argument("--max-tokens", type=int, nargs="+", default=[4000], help="one or more batch sizes")
+    parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="bf16")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model, as train.compile does")
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--profile-steps", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rows", type=int, default=15, help="rows of each table of ops")
+    args = parser.parse_args()
+    args.set = []
+    torch.set_num_threads(args.threads)
+    sizes = args.max_tokens
+    summary = []
+    with tempfile.TemporaryDirectory() as work:
+        args.work = work
+        for max_tokens in sizes:
+            args.max_tokens = max_tokens
+            summary.append(profile_size(args))
+    print("\n| tokens/batch | ms/step | target tokens/s | model TFLOP/s | device busy ms/step | launches/step |")
+    print("|---|---|---|---|---|---|")
+    for row in summary:
+        print("| " + " | ".join(row) + " |")
     return 0
 
 
