@@ -13,6 +13,7 @@ own process (so its peak RSS is its own), greedy and beam 5, with BLEU against t
 
     python scripts/benchmark_decode.py [--checkpoint runs/demo/checkpoints/best.pt] [--input data/demo/test.en]
     python scripts/benchmark_decode.py --checkpoint CKPT --input test.en --references test.es --sentences 300
+    python scripts/benchmark_decode.py --device cuda ... --references test.es --exported DIR_FLOAT16 DIR_INT8
 """
 
 from __future__ import annotations
@@ -83,6 +84,26 @@ class TorchTransformerDecoder:
         return self.model.output_proj(hidden[:, -1:])
 
 
+class EagerDecoder:
+    """Our model as a plain search.Decoder, so that translation does not wrap it in CUDA graphs: the
+    eager row that the graphed one is compared with on a GPU."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def encode(self, src, src_mask):
+        return self.model.encode(src, src_mask)
+
+    def new_cache(self):
+        return self.model.new_cache()
+
+    def decode(self, tgt, memory, src_mask, cache):
+        return self.model.decode(tgt, memory, src_mask, cache)
+
+    def parameters(self):
+        return self.model.parameters()
+
+
 def timed(function):
     start = time.perf_counter()
     result = function()
@@ -97,6 +118,8 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     parser.add_argument("--references", type=Path, help="references of --input: adds the CTranslate2 sides")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where every side decodes")
+    parser.add_argument("--exported", type=Path, nargs="+", default=[],
+                        help="with --references: decode these exported models (no export here) instead")  # fmt: skip
     args = parser.parse_args()
     if not args.checkpoint.exists() or not args.input.exists():
         print(f"error: {args.checkpoint} or {args.input} missing; run `make demo` first", file=sys.stderr)
@@ -116,7 +139,10 @@ def main() -> int:
     for name, beam in (("greedy", 1), ("beam 5", 5)):
         config = dataclasses.replace(base, beam=beam)
         rates = {}
-        for decoder_name, decoder in (("nn.Transformer, no cache", reference), ("seq2seq", model)):
+        ours = [("seq2seq", model)]
+        if args.device == "cuda":  # translation wraps our model in CUDA graphs; EagerDecoder hides it from that
+            ours = [("seq2seq, eager", EagerDecoder(model)), ("seq2seq, CUDA graphs", model)]
+        for decoder_name, decoder in (("nn.Transformer, no cache", reference), *ours):
             translate_lines(decoder, tokenizer, lines[:50], config)  # warm-up: one-time kernel setup
             results, seconds = timed(lambda d=decoder, c=config: translate_lines(d, tokenizer, lines, c))
             tokens = sum(len(tokenizer.encode_tgt([r.text])[0]) + 1 for r in results)  # + EOS
@@ -154,7 +180,9 @@ def shipped_sides(args, lines: list[str], references: list[str]) -> None:
     context = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory() as work:
         models = {"seq2seq (PyTorch)": args.checkpoint}
-        for quantization in ("float32", "int8"):
+        for directory in args.exported:
+            models[f"CTranslate2 {directory.name}"] = directory
+        for quantization in () if args.exported else ("float32", "int8"):
             output = Path(work) / quantization
             report = export_checkpoint(args.checkpoint, output, quantization=quantization, check_src=args.input,
                                        check_ref=args.references, check_lines=len(lines))  # fmt: skip
@@ -176,6 +204,8 @@ def shipped_sides(args, lines: list[str], references: list[str]) -> None:
             sentences, tokens, bleu = row[search_name]
             print(f"| {search_name} | {name} | {sentences:,.1f} | {tokens:,.0f} | {tokens / ours:.2f}x | {bleu:.2f} "
                   f"| {row['peak_rss']:,.0f} MiB |")  # fmt: skip
+    if args.exported:
+        return
     int8, float32 = rows["CTranslate2 int8"]["beam 5"], rows["CTranslate2 float32"]["beam 5"]
     print(f"int8 beam 5: {int8[1] / rows['seq2seq (PyTorch)']['beam 5'][1]:.2f}x our PyTorch beam 5 in generated "
           f"tokens/s (target >= 2x), BLEU {int8[2] - float32[2]:+.2f} against float32 (target within 0.5)")  # fmt: skip
