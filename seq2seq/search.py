@@ -98,19 +98,25 @@ def beam_step(log_probs: Tensor, scores: Tensor, width: int) -> tuple[Tensor, Te
     return best, flat % vocab, flat // vocab
 
 
-def _next_log_probs(logits: Tensor, step: int, max_lengths: Tensor, config: DecodeConfig, prefixes: Tensor) -> Tensor:
+def _next_log_probs(
+    logits: Tensor, step: int, max_lengths: Tensor, config: DecodeConfig, prefixes: Tensor, *, shortest_limit: int
+) -> Tensor:
     """(N, V) logits -> log-probs with PAD/BOS banned, EOS banned before min_len and forced at max
-    length, and (with no_repeat_ngram) tokens banned that would repeat an n-gram of the prefix."""
+    length, and (with no_repeat_ngram) tokens banned that would repeat an n-gram of the prefix.
+
+    `shortest_limit` is the smallest length limit of the batch, known on the host: before it no row
+    can be at its limit, so the step asks the device nothing (a GPU is never waited for here)."""
     log_probs = logits.float().log_softmax(-1)
-    log_probs[:, [PAD_ID, BOS_ID]] = -math.inf
+    log_probs[:, PAD_ID] = -math.inf
+    log_probs[:, BOS_ID] = -math.inf
     if step < config.min_len:
         log_probs[:, EOS_ID] = -math.inf
     if config.no_repeat_ngram:
         _ban_repeated_ngrams(log_probs, prefixes[:, 1:], config.no_repeat_ngram)
-    at_limit = max_lengths <= step
-    if at_limit.any():
-        log_probs[at_limit] = -math.inf
-        log_probs[at_limit, EOS_ID] = 0.0
+    if step >= shortest_limit:
+        at_limit = max_lengths <= step  # (N,)
+        log_probs.masked_fill_(at_limit.unsqueeze(1), -math.inf)
+        log_probs[:, EOS_ID].masked_fill_(at_limit, 0.0)
     return log_probs
 
 
@@ -127,77 +133,94 @@ def _ban_repeated_ngrams(log_probs: Tensor, output: Tensor, n: int) -> None:
 
 @torch.no_grad()
 def greedy_search(model: Decoder, src: Tensor, config: DecodeConfig) -> list[list[Hypothesis]]:
-    """The most likely next token at every step, for a batch of source sentences (B, S)."""
+    """The most likely next token at every step, for a batch of source sentences (B, S).
+
+    The host reads from the device once per step (which rows ended), and twice more on a step
+    where some did (their tokens and totals): on a GPU each read waits for the queued work."""
     src_mask = padding_mask(src)
     memory = model.encode(src, src_mask)
     cache = model.new_cache()
     max_lengths = max_output_lengths(src, config)
-    active = torch.arange(src.size(0), device=src.device)  # original index of each row still decoding
+    shortest_limit = int(max_lengths.min())
+    active = list(range(src.size(0)))  # original index of each row still decoding
     prefixes = torch.full((src.size(0), 1), BOS_ID, dtype=torch.long, device=src.device)
     totals = torch.zeros(src.size(0), device=src.device)
     results: list[list[Hypothesis]] = [[] for _ in range(src.size(0))]
     step = 0
-    while active.numel():
+    while active:
         logits = model.decode(prefixes[:, -1:], memory, src_mask, cache)[:, -1]
-        log_probs = _next_log_probs(logits, step, max_lengths, config, prefixes)
+        log_probs = _next_log_probs(logits, step, max_lengths, config, prefixes, shortest_limit=shortest_limit)
         best_log_prob, best = log_probs.max(-1)
         totals += best_log_prob
         done = best == EOS_ID
-        for row in done.nonzero().squeeze(1).tolist():
-            tokens, total = prefixes[row, 1:].tolist(), totals[row].item()
-            results[active[row]] = [Hypothesis(tokens, length_normalized(total, len(tokens) + 1, config), total)]
-        prefixes = torch.cat([prefixes, best.unsqueeze(1)], dim=1)
+        done_rows = done.nonzero().squeeze(1)
         step += 1
-        if done.any():
+        if done_rows.numel():
+            outputs, done_totals = prefixes.index_select(0, done_rows)[:, 1:].tolist(), totals[done_rows].tolist()
+            for row, tokens, total in zip(done_rows.tolist(), outputs, done_totals):
+                results[active[row]] = [Hypothesis(tokens, length_normalized(total, len(tokens) + 1, config), total)]
             keep = (~done).nonzero().squeeze(1)
-            active, prefixes, totals, max_lengths = active[keep], prefixes[keep], totals[keep], max_lengths[keep]
+            active = [active[row] for row in keep.tolist()]
+            prefixes, totals, max_lengths = prefixes[keep], totals[keep], max_lengths[keep]
             memory, src_mask = memory.index_select(0, keep), src_mask.index_select(0, keep)
             cache.select(keep, keep)
+            best = best[keep]
+        prefixes = torch.cat([prefixes, best.unsqueeze(1)], dim=1)
     return results
 
 
 @torch.no_grad()
 def beam_search(model: Decoder, src: Tensor, config: DecodeConfig) -> list[list[Hypothesis]]:
-    """Batched beam search; each sentence keeps its `nbest` best finished hypotheses, best first."""
+    """Batched beam search; each sentence keeps its `nbest` best finished hypotheses, best first.
+
+    Which sentences are done is decided on the host from counts it keeps; the device is read once
+    per step for the hypotheses that ended (their rows, tokens and scores, in three reads)."""
     beam = config.beam
     batch = src.size(0)
     src_mask = padding_mask(src)
     memory = model.encode(src, src_mask)  # (B, S, d): one row per sentence, shared by its beams
     cache = model.new_cache()
     max_lengths = max_output_lengths(src, config)
-    active = torch.arange(batch, device=src.device)
+    limits = max_lengths.tolist()  # per original sentence, on the host
+    shortest_limit = min(limits)
+    active = list(range(batch))
     scores = torch.full((batch, beam), -math.inf, device=src.device)
     scores[:, 0] = 0.0  # all beams start identical: only the first may expand
     prefixes = torch.full((batch * beam, 1), BOS_ID, dtype=torch.long, device=src.device)
     finished: list[list[Hypothesis]] = [[] for _ in range(batch)]
     step = 0
-    while active.numel():
+    while active:
         logits = model.decode(prefixes[:, -1:], memory, src_mask, cache)[:, -1]
         row_max = max_lengths.repeat_interleave(beam)
-        log_probs = _next_log_probs(logits, step, row_max, config, prefixes).view(active.numel(), beam, -1)
+        log_probs = _next_log_probs(logits, step, row_max, config, prefixes, shortest_limit=shortest_limit)
+        log_probs = log_probs.view(len(active), beam, -1)
         cand_scores, cand_tokens, cand_beams = beam_step(log_probs, scores, 2 * beam)
         # An EOS among the top `beam` candidates ends a hypothesis (fairseq's rule; keeps beam 1 == greedy).
         eos_hits = (cand_tokens[:, :beam] == EOS_ID) & (cand_scores[:, :beam] > -math.inf)
-        for row, rank in eos_hits.nonzero().tolist():
-            beam_row = row * beam + cand_beams[row, rank].item()
-            hyp_tokens = prefixes[beam_row, 1:].tolist()
-            total = cand_scores[row, rank].item()
-            score = length_normalized(total, len(hyp_tokens) + 1, config)
-            finished[active[row].item()].append(Hypothesis(hyp_tokens, score, total))
+        hit_rows, hit_ranks = eos_hits.nonzero(as_tuple=True)
+        if hit_rows.numel():
+            beam_rows = hit_rows * beam + cand_beams[hit_rows, hit_ranks]
+            outputs = prefixes.index_select(0, beam_rows)[:, 1:].tolist()
+            totals = cand_scores[hit_rows, hit_ranks].tolist()
+            for row, tokens, total in zip(hit_rows.tolist(), outputs, totals):
+                score = length_normalized(total, len(tokens) + 1, config)
+                finished[active[row]].append(Hypothesis(tokens, score, total))
         # The best `beam` non-EOS candidates continue.
         open_scores = cand_scores.masked_fill(cand_tokens == EOS_ID, -math.inf)
         scores, pick = open_scores.topk(beam, dim=-1)
         tokens, beams = cand_tokens.gather(1, pick), cand_beams.gather(1, pick)
-        rows = (torch.arange(active.numel(), device=src.device).unsqueeze(1) * beam + beams).view(-1)
+        rows = (torch.arange(len(active), device=src.device).unsqueeze(1) * beam + beams).view(-1)
         cache.reorder(rows)
         prefixes = torch.cat([prefixes.index_select(0, rows), tokens.view(-1, 1)], dim=1)
         step += 1
-        enough = torch.tensor([len(finished[i]) >= beam for i in active.tolist()], device=src.device)
-        done = enough | (max_lengths < step)  # past its length limit every beam was forced to end
-        if done.any():
-            keep = (~done).nonzero().squeeze(1)
+        # past its length limit every beam was forced to end
+        done = [len(finished[i]) >= beam or limits[i] < step for i in active]
+        if any(done):
+            kept = [row for row, ended in enumerate(done) if not ended]
+            keep = torch.tensor(kept, dtype=torch.long, device=src.device)
             keep_rows = (keep.unsqueeze(1) * beam + torch.arange(beam, device=src.device)).view(-1)
-            active, scores, max_lengths = active[keep], scores[keep], max_lengths[keep]
+            active = [active[row] for row in kept]
+            scores, max_lengths = scores[keep], max_lengths[keep]
             prefixes = prefixes.index_select(0, keep_rows)
             memory, src_mask = memory.index_select(0, keep), src_mask.index_select(0, keep)
             cache.select(keep_rows, keep)
