@@ -133,7 +133,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     clip_norm: float = 1.0  # 0 disables clipping
     label_smoothing: float = 0.1
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: what the hardware runs natively (precision.py)
     seed: int = 1
     threads: int = 0  # torch intra-op threads; 0 keeps torch's default
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: the GPU when torch sees one (torchrun: one per rank)

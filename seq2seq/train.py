@@ -25,6 +25,7 @@ from seq2seq.distributed import setup_distributed
 from seq2seq.errors import UserInputError
 from seq2seq.host_memory import HEAP_TRIM_EVERY, release_free_heap
 from seq2seq.model import build_model
+from seq2seq.precision import choose_precision
 from seq2seq.run_dir import RunDir, check_resumable, prepare_run
 from seq2seq.run_log import MetricsLog, PeakRss, log_to_file, memory_figures
 from seq2seq.schedule import learning_rate
@@ -92,7 +93,13 @@ class Trainer:
             torch.set_num_threads(tc.threads)
         self.device = self.dist.device()
         if tc.precision == "fp16" and self.device.type != "cuda":
-            raise UserInputError("train.precision: fp16 needs a CUDA GPU (loss scaling); use bf16 or fp32 on CPU")
+            raise UserInputError("train.precision: fp16 needs a CUDA GPU (loss scaling); use auto, bf16 or fp32 on CPU")
+        # auto becomes what this hardware runs natively; the run's config (run directory, checkpoints)
+        # records the precision used. Rank 0 decides, so a borderline CPU probe cannot split the ranks.
+        choice = choose_precision(tc.precision, self.device)
+        self.precision_reason = choice.reason
+        tc = dataclasses.replace(tc, precision=self.dist.broadcast(choice.precision))
+        self.config = config = dataclasses.replace(config, train=tc)
         self.run_dir.check(resume=resume)
         resumed = None
         if resume:  # the checkpoint and the config are checked before the run directory is touched
@@ -140,6 +147,7 @@ class Trainer:
         tc, progress, dist = self.config.train, self.progress, self.dist
         per_update = tc.accum_steps * dist.world_size  # batches consumed by one optimizer update
         log.info("model: %.2fM parameters; training on %s", _parameter_count(self.model) / 1e6, self.device)
+        log.info("precision: %s (%s)", tc.precision, self.precision_reason)
         log.info("effective batch: up to %d tokens x %d ranks x %d accumulation steps = %d tokens per update",
                  tc.max_tokens, dist.world_size, tc.accum_steps, tc.max_tokens * per_update)  # fmt: skip
         bar = tqdm(total=tc.max_steps, initial=progress.step, desc="train", unit="step", disable=not self.show_progress)

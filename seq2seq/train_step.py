@@ -34,7 +34,10 @@ class StepResult:
 
 
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
-    """The autocast context of `precision` (fp32: a disabled one) on `device`."""
+    """The autocast context of `precision` (fp32: a disabled one) on `device`; `auto` must have been
+    resolved first (precision.choose_precision), so a step never guesses."""
+    if precision != "fp32" and precision not in AUTOCAST_DTYPES:
+        raise ValueError(f"precision {precision!r}: expected fp32, bf16 or fp16 (resolve 'auto' first)")
     dtype = AUTOCAST_DTYPES.get(precision)
     return torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None)
 

@@ -46,6 +46,7 @@ def tiny_config_dict(data_dir: Path, **train_overrides) -> dict:
             "save_every": 10,
             "valid_max_sentences": 20,
             "threads": 1,
+            "precision": "fp32",  # the same arithmetic on every CPU kind (auto would pick bf16 on some)
             **train_overrides,
         },
         "decode": {"beam": 2, "max_len_a": 1.5, "max_len_b": 5},

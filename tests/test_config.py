@@ -57,7 +57,7 @@ def test_unknown_section_lists_the_valid_ones(tmp_path, tiny_data):
         ("train", "lr", float("nan"), "train.lr: expected a finite number, got nan"),
         ("train", "clip_norm", float("inf"), "train.clip_norm: expected a finite number, got inf"),
         ("train", "betas", [0.9], "train.betas: expected a list of 2 items, got a list"),
-        ("train", "precision", "fp8", "train.precision: expected one of fp32, bf16, fp16; got 'fp8'"),
+        ("train", "precision", "fp8", "train.precision: expected one of auto, fp32, bf16, fp16; got 'fp8'"),
         ("decode", "nbest", 9, "decode.nbest: expected at most beam (2), got 9"),
         ("tokenizer", "joint", "yes", "tokenizer.joint: expected true or false, got 'yes'"),
     ],

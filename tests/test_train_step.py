@@ -26,7 +26,7 @@ def test_gradient_accumulation_equals_one_full_batch(tokenizer_and_corpus):
     tokenizer, corpus = tokenizer_and_corpus
     full, halves = build_model(MODEL, tokenizer), build_model(MODEL, tokenizer)
     halves.load_state_dict(full.state_dict())
-    config = TrainConfig()
+    config = TrainConfig(precision="fp32")
     indices = epoch_batches(corpus, max_tokens=2048, seed=1, epoch=1)[0]
     whole = make_batch(corpus, indices)
     parts = [make_batch(corpus, indices[: len(indices) // 2]), make_batch(corpus, indices[len(indices) // 2 :])]

@@ -1,0 +1,101 @@
+"""Which training precision the hardware runs natively: the rule behind `train.precision: auto`.
+
+bf16 halves the bytes of every activation and, where the hardware has bf16 arithmetic, doubles the
+matrix rate. Where it has none, PyTorch emulates it, and the emulation is far slower than fp32 (on
+an AVX2-only CPU by two orders of magnitude: README, Performance), so a bf16 config crawled there
+without a word. The rule:
+
+* a CUDA GPU: bf16 where `torch.cuda.is_bf16_supported()` (Ampere and newer), else fp16 with loss
+  scaling;
+* a CPU: bf16 where oneDNN runs bf16 matmuls (`torch.ops.mkldnn._is_mkldnn_bf16_supported()`:
+  AVX-512 or AMX on x86, bf16 instructions on Arm) *and* a short measured probe finds a bf16 matmul
+  at least as fast as an fp32 one (AVX-512 without bf16 instructions passes the first test but
+  emulates bf16); fp32 otherwise. The probe runs only where the first test passed, so an AVX2 CPU
+  pays nothing for it.
+
+An explicit bf16 on a CPU that would emulate it is kept (the user asked for it) with one warning
+that gives the measured rates.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger(__name__)
+
+PROBE_SHAPE = (256, 512, 512)  # (rows, inner, columns): a linear layer of a small translation model
+PROBE_SECONDS = 0.05  # per precision; at 1 GFLOP/s one product alone takes ~0.13 s, which ends the probe
+
+
+@dataclass(frozen=True)
+class MatmulRates:
+    """GFLOP/s of one matmul shape on this CPU, in fp32 and in bf16."""
+
+    fp32: float
+    bf16: float
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The precision a run uses and the one-line reason the log gives for it."""
+
+    precision: str
+    reason: str
+
+
+def _rate(dtype: torch.dtype) -> float:
+    rows, inner, columns = PROBE_SHAPE
+    a, b = torch.randn(rows, inner).to(dtype), torch.randn(inner, columns).to(dtype)
+    a @ b  # first call: kernel creation
+    count, start = 0, time.perf_counter()
+    while count == 0 or time.perf_counter() - start < PROBE_SECONDS:
+        a @ b
+        count += 1
+    return count * 2 * rows * inner * columns / (time.perf_counter() - start) / 1e9
+
+
+@functools.cache
+def cpu_matmul_rates() -> MatmulRates:
+    """Measured once per process."""
+    return MatmulRates(fp32=_rate(torch.float32), bf16=_rate(torch.bfloat16))
+
+
+def onednn_runs_bf16() -> bool:
+    """Whether oneDNN has bf16 kernels for this CPU (False on AVX2-only x86)."""
+    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def cpu_has_native_bf16() -> bool:
+    """oneDNN runs bf16 here and a measured bf16 matmul is at least as fast as fp32."""
+    if not onednn_runs_bf16():
+        return False
+    rates = cpu_matmul_rates()
+    return rates.bf16 >= rates.fp32
+
+
+def choose_precision(requested: str, device: torch.device) -> Choice:
+    """The precision to train with on `device` for the configured `requested` (auto, fp32, bf16, fp16)."""
+    if requested != "auto":
+        if requested == "bf16" and device.type == "cpu" and not cpu_has_native_bf16():
+            rates = cpu_matmul_rates()
+            log.warning("bf16 on this CPU is emulated: matmul %.0f GFLOP/s vs %.0f in fp32; use train.precision "
+                        "auto or fp32", rates.bf16, rates.fp32)  # fmt: skip
+        return Choice(requested, "as configured")
+    if device.type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return Choice("bf16", f"auto: {torch.cuda.get_device_name(device)} runs bf16 natively")
+        return Choice("fp16", f"auto: {torch.cuda.get_device_name(device)} has no bf16; fp16 with loss scaling")
+    if cpu_has_native_bf16():
+        rates = cpu_matmul_rates()
+        return Choice("bf16", f"auto: this CPU runs bf16 natively (matmul {rates.bf16:.0f} GFLOP/s, "
+                              f"fp32 {rates.fp32:.0f})")  # fmt: skip
+    if onednn_runs_bf16():
+        rates = cpu_matmul_rates()
+        return Choice("fp32", f"auto: bf16 is slower than fp32 on this CPU (matmul {rates.bf16:.0f} vs "
+                              f"{rates.fp32:.0f} GFLOP/s)")  # fmt: skip
+    return Choice("fp32", "auto: this CPU has no bf16 arithmetic (oneDNN has no bf16 kernels for it)")
