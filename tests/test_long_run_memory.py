@@ -12,6 +12,7 @@ from seq2seq.data.encoded import encode_pairs
 from seq2seq.layers import ROW_MULTIPLE
 from seq2seq.loss import label_smoothed_cross_entropy
 from seq2seq.model import build_model
+from seq2seq.precision import onednn_runs_bf16
 from seq2seq.run_log import PeakRss, current_rss_mb
 from seq2seq.special_tokens import PAD_ID, padding_mask
 from seq2seq.tokenizer import train_tokenizer
@@ -20,12 +21,15 @@ from seq2seq.train_step import build_optimizer, build_scaler, train_step
 MODEL = ModelConfig(d_model=64, heads=4, encoder_layers=1, decoder_layers=1, ffn_dim=128)
 CPU = torch.device("cpu")
 
-pytestmark = pytest.mark.skipif(
-    not torch.backends.mkldnn.is_available() or current_rss_mb() is None,
-    reason="needs oneDNN (PyTorch's CPU build) and /proc for RSS",
+pytestmark = pytest.mark.skipif(current_rss_mb() is None, reason="needs /proc for RSS")
+# The kernel-cache tests count the bf16 kernels oneDNN creates; a CPU it has no bf16 kernels for (AVX2
+# only: bf16 is emulated outside oneDNN) creates none, so there they could not fail and mean nothing.
+needs_onednn_bf16 = pytest.mark.skipif(
+    not onednn_runs_bf16(), reason="oneDNN has no bf16 kernels for this CPU (AVX2 only): no kernel cache to grow"
 )
 
 
+@needs_onednn_bf16
 def test_bf16_training_memory_is_flat_once_the_batch_shapes_were_seen(demo_pairs, capfd):
     tokenizer = train_tokenizer(TokenizerConfig(vocab_size=400), demo_pairs["train"][:1500])
     corpus = encode_pairs(tokenizer, demo_pairs["train"][:1500])
@@ -99,15 +103,13 @@ def _train_on_shape(model, sentences: int, source_length: int, target_length: in
     label_smoothed_cross_entropy(logits, batch.targets, 0.1).backward()
 
 
-@pytest.mark.parametrize(
-    "multiple",
-    [ROW_MULTIPLE, pytest.param(1, marks=pytest.mark.xfail(strict=True, reason="every row count compiles kernels"))],
-    ids=["padded", "unpadded"],
-)
-def test_a_block_of_row_counts_compiles_one_set_of_kernels(multiple, monkeypatch, capfd):
+@needs_onednn_bf16
+@pytest.mark.parametrize(("multiple", "compiles"), [(ROW_MULTIPLE, False), (1, True)], ids=["padded", "unpadded"])
+def test_a_block_of_row_counts_compiles_one_set_of_kernels(multiple, compiles, monkeypatch, capfd):
     """Each epoch cuts batches of new sentences x length products; each used to cost oneDNN kernels.
 
-    Unpadded, the same batches must fail the test (strict xfail): it shows what the test catches.
+    Padded, a block of row counts shares one kernel set; unpadded, the same batches create kernels,
+    which shows that the count sees what it is meant to catch.
     """
     monkeypatch.setattr("seq2seq.model.row_multiple", lambda device: multiple)
     torch.manual_seed(0)
@@ -119,7 +121,7 @@ def test_a_block_of_row_counts_compiles_one_set_of_kernels(multiple, monkeypatch
         for shape in shapes[1:]:
             _train_on_shape(model, *shape)
     created = capfd.readouterr().out.count("create:cache_miss")
-    assert created == 0, f"{created} new oneDNN kernels for {len(shapes) - 1} more row counts"
+    assert (created > 0) == compiles, f"{created} new oneDNN kernels for {len(shapes) - 1} more row counts"
 
 
 @pytest.mark.parametrize("beams", [1, 3])
