@@ -66,7 +66,7 @@ def main() -> int:
             suffix = "" if seed is None else f"-seed{seed}"
             run_dir = Path("runs") / f"precision-{args.config.stem}-{precision}{suffix}"
             scores, valid_loss, steps, seconds = train_and_score(config, run_dir)
-            bleu[precision], signature = scores.bleu, scores.bleu_signature
+            bleu[precision], signature = scores.bleu, scores.get("bleu").signature
             print(f"| {config.train.seed} | {precision} | {steps} | {seconds:.0f} s | {valid_loss:.4f} | "
                   f"{scores.bleu:.2f} | {scores.chrf:.2f} |", flush=True)  # fmt: skip
         differences.append(bleu["bf16"] - bleu["fp32"])
