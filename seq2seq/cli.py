@@ -285,7 +285,9 @@ def demo(
         ),  # fmt: skip
     ] = None,
     overrides: SetOption = None,
-    run_dir: Annotated[Path, typer.Option("--run-dir", help="Where the run goes (replaced).")] = Path("runs/demo"),
+    run_dir: Annotated[
+        Path, typer.Option("--run-dir", help="Where the run goes: new, empty, or an earlier demo run (replaced).")
+    ] = Path("runs/demo"),
     quiet: Annotated[bool, typer.Option("--quiet", help="No progress bars.")] = False,
 ) -> None:
     """The whole path on the embedded synthetic task: data, tokenizer, training, translation, test BLEU.

@@ -8,9 +8,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import yaml
+
 from seq2seq.config import load_config
 from seq2seq.data.prepare import read_split
 from seq2seq.demo_data import write_demo_corpus
+from seq2seq.errors import UserInputError
 from seq2seq.evaluate import translate_and_score
 from seq2seq.plots import plot_training_curves
 from seq2seq.scoring import Scores
@@ -19,17 +22,48 @@ from seq2seq.translator import Translator
 
 DEMO_DATA_DIR = Path("data/demo")  # demo.yaml reads its files from here (relative to where the demo runs)
 DEMO_CONFIG = Path(__file__).with_name("demo.yaml")  # shipped in the package: the demo runs from any directory
+DEMO_MARKER = ".seq2seq-demo"  # written into every demo run directory: only those may be replaced
+
+
+def _check_run_dir(run_dir: Path) -> bool:
+    """Whether run_dir holds an earlier demo run (to be replaced). New or empty is fine; anything else
+    is the user's and is refused before any work, so the demo never deletes what it did not make."""
+    if not run_dir.exists():
+        return False
+    if not run_dir.is_dir():
+        raise UserInputError(f"--run-dir {run_dir}: exists and is not a directory; choose a new path")
+    if not any(run_dir.iterdir()):
+        return False
+    if not (run_dir / DEMO_MARKER).is_file() and not _earlier_demo_run(run_dir):
+        raise UserInputError(f"--run-dir {run_dir}: not empty and not a demo run (no {DEMO_MARKER}); the demo "
+                             "replaces only its own runs: choose a new or empty directory")  # fmt: skip
+    return True
+
+
+def _earlier_demo_run(run_dir: Path) -> bool:
+    """A run of a demo from before the marker: its resolved config trains on the demo corpus."""
+    try:
+        config = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8"))
+        return config["data"]["train"]["src"] == str(DEMO_DATA_DIR / "train.en")
+    except (OSError, yaml.YAMLError, KeyError, TypeError):
+        return False
 
 
 def run_demo(
     config_path: Path | None, overrides: list[str], run_dir: Path, *, show_progress: bool, echo: Callable[[str], None]
 ) -> Scores:
-    """Write the corpus, train from scratch into run_dir (replacing it), then translate and score the test split."""
+    """Write the corpus, train from scratch into run_dir (new, empty, or an earlier demo run, which is
+    replaced), then translate and score the test split."""
     started = time.perf_counter()
+    replace = _check_run_dir(run_dir)
     write_demo_corpus(DEMO_DATA_DIR)
     echo(f"demo corpus written to {DEMO_DATA_DIR}/ (train/valid/test .en -> .xx)")
     config = load_config(config_path or DEMO_CONFIG, overrides)
-    shutil.rmtree(run_dir, ignore_errors=True)
+    if replace:
+        echo(f"replacing the earlier demo run in {run_dir}")
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / DEMO_MARKER).write_text("written by `seq2seq demo`, which may replace this directory\n")
     result = Trainer(config, run_dir, show_progress=show_progress).run()
     best = result.last_checkpoint.with_name("best.pt")
     translator = Translator.load(best if best.exists() else result.last_checkpoint)

@@ -239,3 +239,31 @@ def test_missing_config_file_exits_2():
 def test_each_kind_of_config_error_exits_2_with_its_message(trained_run, tmp_path, override, fragments):
     _, config, _, _ = trained_run
     assert_user_error(invoke("train", config, "--run-dir", tmp_path / "r", "--set", override), *fragments)
+
+
+def test_demo_refuses_a_run_directory_it_did_not_make(tmp_path, monkeypatch):
+    """`demo --run-dir DIR` used to delete DIR whatever it held; now a non-demo directory is refused
+    before any work (not even the demo corpus is written) and the user's file stays."""
+    monkeypatch.chdir(tmp_path)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    result = invoke("demo", "--run-dir", str(mine), "--set", "train.max_steps=1")
+    assert result.exit_code == 2
+    assert "not empty and not a demo run" in result.output and str(mine) in result.output
+    assert (mine / "notes.txt").read_text() == "keep"
+    assert not (tmp_path / "data").exists()
+
+
+def test_demo_replaces_only_its_own_runs(tmp_path):
+    from seq2seq.demo import DEMO_MARKER, _check_run_dir
+
+    assert _check_run_dir(tmp_path / "new") is False
+    assert _check_run_dir(tmp_path) is False  # empty
+    (tmp_path / DEMO_MARKER).write_text("demo")
+    (tmp_path / "train.log").write_text("")
+    assert _check_run_dir(tmp_path) is True
+    legacy = tmp_path / "legacy"  # a demo run from before the marker: its config trains on data/demo
+    legacy.mkdir()
+    (legacy / "config.yaml").write_text("data:\n  train: {src: data/demo/train.en, tgt: data/demo/train.xx}\n")
+    assert _check_run_dir(legacy) is True
