@@ -79,15 +79,11 @@ class DecoderStep:
                 head_dim=config.d_model // config.heads,
                 position=self.position,
                 dtype=weight.dtype,
-            )  # fmt: skip
+            )
             for _ in model.decoder_layers
         ]
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: Tensor | None = None  # the graph's output buffer (rows, V)
-
-    @property
-    def key(self) -> tuple[int, int, int, int]:
-        return self.rows, self.sentences, self.source_length, self.max_length
 
     def forward(self) -> Tensor:
         """Reorder the cached rows by `gather`, then decode `tokens` at `position`: logits (rows, V)."""
