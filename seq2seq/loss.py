@@ -40,8 +40,7 @@ class _LabelSmoothedCrossEntropy(torch.autograd.Function):
         for start in range(0, rows_in_use, step):
             rows = slice(start, min(start + step, rows_in_use))
             count = rows.stop - start
-            z = chunk_in[:count].copy_(logits[rows])
-            log_probs = torch.log_softmax(z, dim=-1, out=chunk_out[:count])
+            log_probs = torch.log_softmax(_as_compute(logits[rows], chunk_in), dim=-1, out=chunk_out[:count])
             log_prob_target = log_probs.gather(1, target[rows, None]).squeeze(1)
             total -= ((1.0 - smoothing) * log_prob_target + (smoothing / vocab) * log_probs.sum(-1)).sum()
         ctx.save_for_backward(logits, target)
@@ -61,11 +60,23 @@ class _LabelSmoothedCrossEntropy(torch.autograd.Function):
         for start in range(0, rows_in_use, step):
             rows = slice(start, min(start + step, rows_in_use))
             count = rows.stop - start
-            z = torch.softmax(chunk_in[:count].copy_(logits[rows]), dim=-1, out=chunk_out[:count])
+            # fp32 logits: the softmax goes straight into the gradient's rows, no staging copies
+            in_place = grad.dtype == compute_dtype
+            z = grad[rows] if in_place else chunk_out[:count]
+            torch.softmax(_as_compute(logits[rows], chunk_in), dim=-1, out=z)
             z.sub_(smoothing / vocab)
             z.scatter_add_(1, target[rows, None], z.new_full((z.size(0), 1), smoothing - 1.0))
-            grad[rows] = z.mul_(grad_output)
+            z.mul_(grad_output)
+            if not in_place:
+                grad[rows] = z
         return grad, None, None
+
+
+def _as_compute(chunk: Tensor, buffer: Tensor) -> Tensor:
+    """The chunk in the buffer's dtype: copied into the buffer when it differs, else the chunk itself."""
+    if chunk.dtype == buffer.dtype:
+        return chunk
+    return buffer[: chunk.size(0)].copy_(chunk)
 
 
 def _chunk_buffers(logits: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
