@@ -8,6 +8,7 @@ dotted key, so the user fixes everything in one edit.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -178,28 +179,39 @@ class TrainConfig:
 @dataclass(frozen=True)
 class DecodeConfig:
     beam: int = 5
-    length_penalty: float = 0.6  # GNMT alpha; with length_norm 'average' it is ignored
-    length_norm: Literal["gnmt", "average", "none"] = "gnmt"
+    length_penalty: float = 1.0  # alpha of length_norm power and gnmt; ignored by average and none
+    length_norm: Literal["power", "gnmt", "average", "none"] = "power"
     max_len_a: float = 1.2  # output at most a * source_length + b tokens
     max_len_b: int = 10
     min_len: int = 1
     nbest: int = 1
+    patience: float = 1.5  # a sentence's beam search ends when beam x patience hypotheses have finished
     no_repeat_ngram: int = 0  # forbid repeating any n-gram of this size in an output; 0 disables
     batch_tokens: int = 4096  # source tokens per translation batch
 
     def normalized_score(self, log_prob: float, length: int) -> float:
         """How finished hypotheses are ranked: `log_prob` of `length` output tokens (EOS included)."""
+        if self.length_norm == "power":
+            return log_prob / length**self.length_penalty
         if self.length_norm == "average":
             return log_prob / length
         if self.length_norm == "gnmt":
             return log_prob / ((5 + length) / 6) ** self.length_penalty
         return log_prob
 
+    @property
+    def finished_per_sentence(self) -> int:
+        """How many finished hypotheses end a sentence's beam search: beam x patience, rounded half
+        away from zero as CTranslate2 rounds it (Kasai et al. 2022, "A Call for Clarity in Beam Search")."""
+        return max(1, math.floor(self.beam * self.patience + 0.5))
+
     def problems(self) -> list[tuple[str, str]]:
         found = []
         for key in ("beam", "nbest", "batch_tokens"):
             if getattr(self, key) < 1:
                 found.append((key, "expected an integer >= 1"))
+        if not self.patience >= 1.0:  # fewer than `beam` finished could leave an nbest list short
+            found.append(("patience", f"expected a number >= 1, got {self.patience}"))
         if self.nbest > self.beam:
             found.append(("nbest", f"expected at most beam ({self.beam}), got {self.nbest}"))
         for key in ("max_len_a", "max_len_b", "min_len", "length_penalty", "no_repeat_ngram"):

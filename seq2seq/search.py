@@ -81,8 +81,9 @@ def max_output_lengths(src: Tensor, config: DecodeConfig) -> Tensor:
 
 
 def length_normalized(log_prob: float, length: int, config: DecodeConfig) -> float:
-    """`length` counts the output tokens including EOS (the formula lives in DecodeConfig, which the
-    CTranslate2 engine shares without importing torch)."""
+    """`length` counts the output tokens with their EOS (without, for an output cut at the length
+    limit: no EOS was emitted). The formula lives in DecodeConfig, which the CTranslate2 engine
+    shares without importing torch."""
     return config.normalized_score(log_prob, length)
 
 
@@ -141,7 +142,8 @@ def greedy_search(model: Decoder, src: Tensor, config: DecodeConfig) -> list[lis
     memory = model.encode(src, src_mask)
     cache = model.new_cache()
     max_lengths = max_output_lengths(src, config)
-    shortest_limit = int(max_lengths.min())
+    limits = max_lengths.tolist()  # per original sentence, on the host
+    shortest_limit = min(limits)
     active = list(range(src.size(0)))  # original index of each row still decoding
     prefixes = torch.full((src.size(0), 1), BOS_ID, dtype=torch.long, device=src.device)
     totals = torch.zeros(src.size(0), device=src.device)
@@ -158,7 +160,8 @@ def greedy_search(model: Decoder, src: Tensor, config: DecodeConfig) -> list[lis
         if done_rows.numel():
             outputs, done_totals = prefixes.index_select(0, done_rows)[:, 1:].tolist(), totals[done_rows].tolist()
             for row, tokens, total in zip(done_rows.tolist(), outputs, done_totals):
-                results[active[row]] = [Hypothesis(tokens, length_normalized(total, len(tokens) + 1, config), total)]
+                length = len(tokens) + (len(tokens) < limits[active[row]])  # no EOS counted when cut at the limit
+                results[active[row]] = [Hypothesis(tokens, length_normalized(total, length, config), total)]
             keep = (~done).nonzero().squeeze(1)
             active = [active[row] for row in keep.tolist()]
             prefixes, totals, max_lengths = prefixes[keep], totals[keep], max_lengths[keep]
@@ -175,7 +178,7 @@ def beam_search(model: Decoder, src: Tensor, config: DecodeConfig) -> list[list[
 
     Which sentences are done is decided on the host from counts it keeps; the device is read once
     per step for the hypotheses that ended (their rows, tokens and scores, in three reads)."""
-    beam = config.beam
+    beam, enough = config.beam, config.finished_per_sentence
     batch = src.size(0)
     src_mask = padding_mask(src)
     memory = model.encode(src, src_mask)  # (B, S, d): one row per sentence, shared by its beams
@@ -196,15 +199,11 @@ def beam_search(model: Decoder, src: Tensor, config: DecodeConfig) -> list[list[
         log_probs = log_probs.view(len(active), beam, -1)
         cand_scores, cand_tokens, cand_beams = beam_step(log_probs, scores, 2 * beam)
         # An EOS among the top `beam` candidates ends a hypothesis (fairseq's rule; keeps beam 1 == greedy).
-        eos_hits = (cand_tokens[:, :beam] == EOS_ID) & (cand_scores[:, :beam] > -math.inf)
-        hit_rows, hit_ranks = eos_hits.nonzero(as_tuple=True)
-        if hit_rows.numel():
-            beam_rows = hit_rows * beam + cand_beams[hit_rows, hit_ranks]
-            outputs = prefixes.index_select(0, beam_rows)[:, 1:].tolist()
-            totals = cand_scores[hit_rows, hit_ranks].tolist()
-            for row, tokens, total in zip(hit_rows.tolist(), outputs, totals):
-                score = length_normalized(total, len(tokens) + 1, config)
-                finished[active[row]].append(Hypothesis(tokens, score, total))
+        ends = (cand_tokens[:, :beam] == EOS_ID) & (cand_scores[:, :beam] > -math.inf)
+        if step + 1 >= shortest_limit:  # at a sentence's last token its best `beam` candidates all end
+            at_limit = torch.tensor([limits[i] <= step + 1 for i in active], device=src.device)
+            ends |= (cand_scores[:, :beam] > -math.inf) & at_limit.unsqueeze(1)
+        _finish(finished, active, prefixes, cand_scores, cand_tokens, cand_beams, ends, config)
         # The best `beam` non-EOS candidates continue.
         open_scores = cand_scores.masked_fill(cand_tokens == EOS_ID, -math.inf)
         scores, pick = open_scores.topk(beam, dim=-1)
@@ -213,8 +212,7 @@ def beam_search(model: Decoder, src: Tensor, config: DecodeConfig) -> list[list[
         cache.reorder(rows)
         prefixes = torch.cat([prefixes.index_select(0, rows), tokens.view(-1, 1)], dim=1)
         step += 1
-        # past its length limit every beam was forced to end
-        done = [len(finished[i]) >= beam or limits[i] < step for i in active]
+        done = [len(finished[i]) >= enough or limits[i] <= step for i in active]
         if any(done):
             kept = [row for row, ended in enumerate(done) if not ended]
             keep = torch.tensor(kept, dtype=torch.long, device=src.device)
@@ -225,6 +223,31 @@ def beam_search(model: Decoder, src: Tensor, config: DecodeConfig) -> list[list[
             memory, src_mask = memory.index_select(0, keep), src_mask.index_select(0, keep)
             cache.select(keep_rows, keep)
     return [sorted(hyps, key=lambda h: h.score, reverse=True)[: config.nbest] for hyps in finished]
+
+
+def _finish(
+    finished: list[list[Hypothesis]],
+    active: list[int],
+    prefixes: Tensor,
+    cand_scores: Tensor,
+    cand_tokens: Tensor,
+    cand_beams: Tensor,
+    ends: Tensor,
+    config: DecodeConfig,
+) -> None:
+    """Keep the candidates marked in `ends` (B, width) as finished hypotheses: one ending in EOS, or
+    one cut at its sentence's length limit (its last token kept; its length counts no EOS)."""
+    rows, ranks = ends.nonzero(as_tuple=True)
+    if not rows.numel():
+        return
+    beam = prefixes.size(0) // len(active)
+    beam_rows = rows * beam + cand_beams[rows, ranks]
+    outputs = prefixes.index_select(0, beam_rows)[:, 1:].tolist()
+    for row, tokens, token, total in zip(rows.tolist(), outputs, cand_tokens[rows, ranks].tolist(),
+                                         cand_scores[rows, ranks].tolist()):  # fmt: skip
+        length = len(tokens) + 1  # with its EOS, or with the token that reached the limit
+        tokens = tokens if token == EOS_ID else [*tokens, token]
+        finished[active[row]].append(Hypothesis(tokens, length_normalized(total, length, config), total))
 
 
 def search(model: Decoder, src: Tensor, config: DecodeConfig) -> list[list[Hypothesis]]:

@@ -85,6 +85,53 @@ def test_length_normalisations():
     assert length_normalized(-6.0, 3, DecodeConfig(length_norm="average")) == -2.0
     gnmt = length_normalized(-6.0, 3, DecodeConfig(length_norm="gnmt", length_penalty=1.0))
     assert gnmt == pytest.approx(-6.0 / (8 / 6))
+    power = length_normalized(-6.0, 4, DecodeConfig(length_norm="power", length_penalty=0.5))
+    assert power == pytest.approx(-3.0)
+
+
+class TableModel(ScriptedModel):
+    """Next-token probabilities read from a table of prefixes; tokens the table leaves out share 1e-6."""
+
+    def __init__(self, table: dict[tuple[int, ...], dict[int, float]]) -> None:
+        self.table = table
+
+    def log_probs(self, sentence: int, prefix: tuple[int, ...]) -> torch.Tensor:
+        probs = torch.full((VOCAB,), 1e-6, dtype=torch.float64)
+        for token, p in self.table.get(prefix, {EOS_ID: 1.0}).items():
+            probs[token] = p
+        return (probs / probs.sum()).log().float()
+
+
+def exhaustive_best(model: ScriptedModel, config: DecodeConfig, max_len: int) -> list[int]:
+    """The output with the best length-normalised score among all outputs up to max_len tokens that end in EOS."""
+    best, best_score = [], -math.inf
+    for length in range(max_len):
+        for tokens in itertools.product(EMITTABLE, repeat=length):
+            total = sum(model.log_probs(0, tokens[:t])[tokens[t]].item() for t in range(length))
+            score = config.normalized_score(total + model.log_probs(0, tokens)[EOS_ID].item(), length + 1)
+            if score > best_score:
+                best, best_score = list(tokens), score
+    return best
+
+
+def test_the_search_goes_on_past_the_first_beam_finished_hypotheses():
+    """Two short outputs end first and fill a beam of 2, while a longer one, still open, scores better
+    per token: stopping at `beam` finished outputs (patience 1) returns a short one, the default
+    patience finds the exhaustive optimum (the gap CTranslate2's float32 export once showed)."""
+    table = {
+        (): {4: 0.5, 5: 0.5},
+        (4,): {EOS_ID: 0.6, 4: 0.4},  # 4 EOS: 0.30 over 2 tokens
+        (5,): {EOS_ID: 0.6, 5: 0.4},
+        (4, 4): {EOS_ID: 0.99},  # 4 4 EOS: 0.198 over 3 tokens, better on average
+        (5, 5): {EOS_ID: 0.9},
+    }
+    model, settings = TableModel(table), no_norm(beam=2, length_norm="average", max_len_b=4)
+    optimum = exhaustive_best(model, settings, max_len=4)
+    assert optimum == [4, 4]
+    ((stopped_early, *_),) = beam_search(model, sentences(0), dataclasses.replace(settings, patience=1.0))
+    assert stopped_early.tokens in ([4], [5])
+    ((best, *_),) = beam_search(model, sentences(0), settings)
+    assert best.tokens == optimum
 
 
 @pytest.mark.parametrize("sentence", [10, 11, 12])
