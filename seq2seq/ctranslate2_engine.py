@@ -1,15 +1,12 @@
-"""CTranslate2 as the engine of an exported model: our decode settings mapped onto its options.
+"""CTranslate2 as the engine of an exported model, running the beam search our engine runs.
 
-What matches our search exactly: beam size, n-best, the minimum length, n-gram blocking, the source
-EOS and decoder start token, and the length limit a * source length + b for greedy search
-(CTranslate2 takes one limit per call: all sentences go in one call with the largest limit, and those
-that reach their own limit are translated again with it; in beam search a beam of a sentence that
-ends below its limit may still have been cut differently). Length normalisation: `average` and
-`none` map onto CTranslate2's length_penalty (1 and 0); `gnmt` ((5 + len) / 6)^alpha has no
-CTranslate2 option, so the beam's finished hypotheses come back with raw log-probabilities and are
-ranked here with our formula, as our beam search ranks them (on the Bible model's 500 validation
-verses: beam-5 BLEU -0.03 against our decoder, where approximating it by len^alpha gave +0.21).
-The parity gate of `seq2seq export` measures the result.
+Both engines take 2 x beam candidates a step, end a hypothesis when EOS is among the best `beam`,
+end a sentence when beam x patience hypotheses have ended or at its length limit a * source length
++ b (where its best `beam` candidates all end), and rank by log-probability / length^alpha: the
+settings map one to one onto CTranslate2's options, so the float32 parity gate checks the export,
+not two algorithms (tests/test_export.py: equal n-best lists under every setting). `gnmt`
+((5 + len) / 6)^alpha is the exception: CTranslate2 has no such option, so its beam keeps the
+finished hypotheses that length^alpha ranks best and they are re-ranked here by gnmt.
 """
 
 from __future__ import annotations
@@ -27,8 +24,7 @@ from seq2seq.data.sources import normalize
 from seq2seq.errors import UserInputError
 from seq2seq.translator import EXPORT_METADATA, Translation, Translator, read_export_metadata
 
-LENGTH_PENALTY_EXPONENT = {"average": lambda decode: 1.0, "none": lambda decode: 0.0,
-                           "gnmt": lambda decode: decode.length_penalty}  # fmt: skip
+NEGLIGIBLE_EXPONENT = 1e-9  # length^1e-9 is 1 within 1e-8 relative: the order of raw log-probabilities
 
 
 def load_exported(directory: Path, *, device: str | None = None) -> Translator:
@@ -50,16 +46,7 @@ def load_exported(directory: Path, *, device: str | None = None) -> Translator:
         rows = [index for index, text in enumerate(texts) if text]  # an empty line stays empty
         pieces = src.encode([texts[index] for index in rows], out_type=str)
         limits = [_length_limit(len(sentence) + 1, decode) for sentence in pieces]  # + the EOS CTranslate2 adds
-        outputs = _translate(engine, pieces, decode, max(limits, default=1))
-        # One call for all (small per-limit calls are slow); a sentence that reached its own limit is
-        # translated again with that limit, as our search would have stopped it there.
-        redo: dict[int, list[int]] = defaultdict(list)
-        for position, output in enumerate(outputs):
-            if any(len(tokens) >= limits[position] for tokens in output.hypotheses):
-                redo[limits[position]].append(position)
-        for limit, members in redo.items():
-            for position, output in zip(members, _translate(engine, [pieces[p] for p in members], decode, limit)):
-                outputs[position] = output
+        outputs = _translate(engine, pieces, limits, decode)
         results = [Translation([]) for _ in lines]
         for position, output in enumerate(outputs):
             nbest = [(tgt.decode(tokens), score) for tokens, score in zip(output.hypotheses, output.scores)]
@@ -69,24 +56,49 @@ def load_exported(directory: Path, *, device: str | None = None) -> Translator:
     return Translator(config.decode, translate_with, engine="ctranslate2")
 
 
-def _translate(engine: ctranslate2.Translator, pieces: list[list[str]], decode: DecodeConfig, limit: int) -> list:
-    """CTranslate2's outputs: each with `hypotheses` (token lists) and `scores`, best first, at most nbest."""
-    if not pieces:
-        return []
-    rerank = decode.length_norm == "gnmt" and decode.beam > 1
-    outputs = engine.translate_batch(
-        pieces,
-        beam_size=decode.beam,
-        num_hypotheses=decode.beam if rerank else decode.nbest,
-        return_scores=True,
-        max_decoding_length=limit,
-        min_decoding_length=decode.min_len,
-        length_penalty=0.0 if rerank else LENGTH_PENALTY_EXPONENT[decode.length_norm](decode),
-        no_repeat_ngram_size=decode.no_repeat_ngram,
-        max_batch_size=decode.batch_tokens,
-        batch_type="tokens",
-    )
-    return [_reranked(output, decode) for output in outputs] if rerank else outputs
+def _translate(engine: ctranslate2.Translator, pieces: list[list[str]], limits: list[int], decode: DecodeConfig) -> list:
+    """CTranslate2's outputs in input order, each with `hypotheses` and `scores`, best first.
+
+    CTranslate2 runs our search: 2 x beam candidates a step, a hypothesis ends when EOS is among
+    the best `beam`, a sentence ends when beam x patience have, and they are ranked by log-probability
+    / length^alpha. Its length_penalty 0 would switch to another stopping rule (stop when the best
+    beam ends), so `none` runs with a negligible exponent instead. It takes one length limit per call,
+    and a beam search run with a larger limit is not the same search (beams our search ends at the
+    limit live on), so sentences go in one call per limit, all submitted at once for the workers."""
+    exponent = _ctranslate2_exponent(decode)
+    by_limit: dict[int, list[int]] = defaultdict(list)
+    for position, limit in enumerate(limits):
+        by_limit[limit].append(position)
+    submitted = []
+    for limit, members in by_limit.items():
+        pending = engine.translate_batch(
+            [pieces[position] for position in members],
+            asynchronous=True,
+            beam_size=decode.beam,
+            patience=decode.patience,
+            num_hypotheses=decode.beam,
+            return_scores=True,
+            max_decoding_length=limit,
+            min_decoding_length=decode.min_len,
+            length_penalty=exponent,
+            no_repeat_ngram_size=decode.no_repeat_ngram,
+            max_batch_size=decode.batch_tokens,
+            batch_type="tokens",
+        )
+        submitted.append((limit, members, pending))
+    outputs: list = [None] * len(pieces)
+    for limit, members, pending in submitted:
+        for position, result in zip(members, pending):
+            outputs[position] = _ranked(result.result(), decode, limit, exponent)
+    return outputs
+
+
+def _ctranslate2_exponent(decode: DecodeConfig) -> float:
+    """CTranslate2's length_penalty for our normalisation. `gnmt` ((5 + length) / 6)^alpha has no
+    CTranslate2 form: its beam ranks by length^alpha, and the hypotheses it returns are re-ranked by
+    gnmt, so the two engines may differ there (README, "Exporting")."""
+    exponent = {"power": decode.length_penalty, "gnmt": decode.length_penalty, "average": 1.0, "none": 0.0}
+    return exponent[decode.length_norm] or NEGLIGIBLE_EXPONENT
 
 
 @dataclass(frozen=True)
@@ -95,14 +107,15 @@ class _Ranked:
     scores: list[float]
 
 
-def _reranked(output, decode: DecodeConfig) -> _Ranked:
-    """GNMT length normalisation has no CTranslate2 option: the beam's finished hypotheses come back
-    with their raw log-probabilities (length_penalty 0, the scores our beam search also ranks beams
-    by) and are ranked here with our formula, as our search ranks its finished hypotheses."""
-    scored = [(decode.normalized_score(score, len(tokens) + 1), tokens)  # + the EOS
-              for tokens, score in zip(output.hypotheses, output.scores)]  # fmt: skip
-    ranked = sorted(scored, key=lambda pair: -pair[0])
-    best = ranked[: decode.nbest]
+def _ranked(output, decode: DecodeConfig, limit: int, exponent: float) -> _Ranked:
+    """The nbest of CTranslate2's finished hypotheses, scored and ranked as our search scores them.
+    Both count the EOS of a hypothesis that ended in the length; one cut at the limit (`limit`
+    tokens) has none."""
+    scored = []
+    for tokens, score in zip(output.hypotheses, output.scores):
+        length = len(tokens) if len(tokens) >= limit else len(tokens) + 1
+        scored.append((decode.normalized_score(score * length**exponent, length), tokens))
+    best = sorted(scored, key=lambda pair: -pair[0])[: decode.nbest]
     return _Ranked([tokens for _, tokens in best], [score for score, _ in best])
 
 
