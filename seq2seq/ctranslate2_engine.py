@@ -56,7 +56,12 @@ def load_exported(directory: Path, *, device: str | None = None) -> Translator:
     return Translator(config.decode, translate_with, engine="ctranslate2")
 
 
-def _translate(engine: ctranslate2.Translator, pieces: list[list[str]], limits: list[int], decode: DecodeConfig) -> list:
+def _translate(
+    engine: ctranslate2.Translator,
+    pieces: list[list[str]],
+    limits: list[int],
+    decode: DecodeConfig,
+) -> list:
     """CTranslate2's outputs in input order, each with `hypotheses` and `scores`, best first.
 
     CTranslate2 runs our search: 2 x beam candidates a step, a hypothesis ends when EOS is among
