@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -176,6 +177,13 @@ class TrainConfig:
         return found
 
 
+# Upper bounds on the decode numbers that set the amount of work, for every front door (config
+# files, --set, the Python API): they catch a slip such as beam 5000 before a search starts. The
+# server takes tighter ones (serve.Limits).
+DECODE_MAXIMA = {"beam": 256, "patience": 8.0, "max_len_a": 10.0, "max_len_b": 4096, "length_penalty": 10.0,
+                 "no_repeat_ngram": 32, "batch_tokens": 1_000_000}  # fmt: skip
+
+
 @dataclass(frozen=True)
 class DecodeConfig:
     beam: int = 5
@@ -217,7 +225,18 @@ class DecodeConfig:
         for key in ("max_len_a", "max_len_b", "min_len", "length_penalty", "no_repeat_ngram"):
             if getattr(self, key) < 0:
                 found.append((key, "expected a number >= 0"))
+        for key, most in DECODE_MAXIMA.items():
+            if getattr(self, key) > most:
+                found.append((key, f"expected at most {most}, got {getattr(self, key)}"))
+        if self.min_len > self.shortest_limit:  # an EOS could never be allowed in time
+            found.append(("min_len", f"expected at most the length limit of a one-token input, max_len_a x 2 + "
+                                     f"max_len_b = {self.shortest_limit}, got {self.min_len}"))  # fmt: skip
         return found
+
+    @property
+    def shortest_limit(self) -> int:
+        """The output length limit of the shortest input (one piece and its EOS), as search computes it."""
+        return max(1, math.floor(self.max_len_a * 2 + self.max_len_b))
 
 
 @dataclass(frozen=True)
@@ -353,6 +372,24 @@ def decode_config_with(stored: DecodeConfig, overrides: list[str]) -> DecodeConf
     if not errors:
         collect_problems(decode, "decode.", errors)
     _raise_problems(errors, origin="command line", overridden=overridden)
+    return decode
+
+
+def decode_config_from(stored: DecodeConfig, values: dict[str, Any], *, origin: str) -> DecodeConfig:
+    """`stored` with typed values (the Python API's keyword options, a server request's JSON fields)
+    checked as a config file's decode section is. Unlike a --set string, a value is never parsed: a
+    number given as a string is refused."""
+    errors: list[tuple[str, str]] = []
+    hints = typing.get_type_hints(DecodeConfig)
+    for key, value in values.items():
+        if isinstance(value, str) and hints.get(key) in (int, float):
+            errors.append((f"decode.{key}", f"expected a number, got {value!r}"))
+    decode = None
+    if not errors:
+        decode = build_dataclass(DecodeConfig, {**dataclasses.asdict(stored), **values}, "decode.", errors)
+    if not errors:
+        collect_problems(decode, "decode.", errors)
+    _raise_problems(errors, origin=origin, overridden=set())
     return decode
 
 

@@ -25,7 +25,7 @@ from typing import Any, TextIO
 
 from tqdm import tqdm
 
-from seq2seq.config import DecodeConfig, decode_config_with
+from seq2seq.config import DecodeConfig, decode_config_from, decode_config_with
 from seq2seq.data.sources import chunked, decode_lines, read_lines
 from seq2seq.errors import UserInputError
 from seq2seq.files import atomic_write, check_writable
@@ -89,9 +89,10 @@ class Translator:
         return cls(decode, translate_with, engine="pytorch", bundle=bundle)
 
     def settings(self, overrides: Iterable[str] = (), **options: Any) -> DecodeConfig:
-        """The decode defaults with `decode.KEY=VALUE` overrides, then keyword options (beam=5, nbest=2, ...)."""
-        extra = [f"decode.{key}={value}" for key, value in options.items() if value is not None]
-        return decode_config_with(self.decode, [*overrides, *extra])
+        """The decode defaults with `decode.KEY=VALUE` overrides, then typed keyword options (beam=5, nbest=2, ...)."""
+        decode = decode_config_with(self.decode, list(overrides)) if overrides else self.decode
+        typed = {key: value for key, value in options.items() if value is not None}
+        return decode_config_from(decode, typed, origin="options") if typed else decode
 
     def translate(self, lines: list[str], **options: Any) -> list[str]:
         """The best translation of each line, e.g. translate(lines, beam=5)."""

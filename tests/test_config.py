@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -149,3 +150,37 @@ def test_a_set_value_that_is_not_yaml_and_a_directory_as_config_are_one_line(tmp
         load_config(path, ["train.lr=[0.1"])
     with pytest.raises(UserInputError, match="is a directory; expected a YAML config file"):
         load_config(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "expected"),
+    [
+        ("beam", 5000, "decode.beam: expected at most 256, got 5000"),
+        ("patience", 0.5, "decode.patience: expected a number >= 1"),
+        ("max_len_b", 10**6, "decode.max_len_b: expected at most 4096"),
+        ("no_repeat_ngram", 100, "decode.no_repeat_ngram: expected at most 32"),
+        ("min_len", 30, "decode.min_len: expected at most the length limit of a one-token input, "
+                        "max_len_a x 2 + max_len_b = 12, got 30"),
+    ],
+)  # fmt: skip
+def test_every_front_door_bounds_the_decode_numbers_alike(tmp_path, tiny_data, key, value, expected):
+    """A config file, --set and the Python API's keyword options refuse the same values with the same line."""
+    from seq2seq.config import decode_config_from
+
+    stored = DecodeConfig(max_len_a=1.0, max_len_b=10)
+    raw = tiny_config_dict(tiny_data)
+    raw["decode"] = {"max_len_a": 1.0, "max_len_b": 10, key: value}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    for door in (lambda: load_config(path), lambda: decode_config_with(stored, [f"decode.{key}={value}"]),
+                 lambda: decode_config_from(stored, {key: value}, origin="options")):  # fmt: skip
+        with pytest.raises(UserInputError, match=re.escape(expected)):
+            door()
+
+
+def test_the_python_api_takes_numbers_not_strings_that_parse_as_numbers():
+    from seq2seq.config import decode_config_from
+
+    with pytest.raises(UserInputError, match="decode.beam: expected a number, got '0x10'"):
+        decode_config_from(DecodeConfig(), {"beam": "0x10"}, origin="options")
+    assert decode_config_from(DecodeConfig(), {"beam": 3, "length_penalty": 1}, origin="options").beam == 3
