@@ -359,6 +359,12 @@ def serve(
     batch_wait_ms: Annotated[
         float, typer.Option("--batch-wait-ms", min=0.0, help="How long to wait for requests to batch with.")
     ] = 5.0,
+    max_queue: Annotated[
+        int, typer.Option("--max-queue", min=1, help="Requests open at once; more are answered 503.")
+    ] = 256,
+    timeout_s: Annotated[
+        float, typer.Option("--timeout", min=0.1, help="Seconds a request may wait for its translation (then 503).")
+    ] = 60.0,
 ) -> None:
     """Serve a model over HTTP: POST /translate {"lines": [...]} and GET /health.
 
@@ -371,7 +377,8 @@ def serve(
 
     if not model.exists():
         raise UserInputError(f"{model}: no such checkpoint or exported model")
-    limits = Limits(max_lines=max_lines, max_chars=max_chars, batch_wait=batch_wait_ms / 1000)
+    limits = Limits(max_lines=max_lines, max_chars=max_chars, batch_wait=batch_wait_ms / 1000, max_queue=max_queue,
+                    request_timeout=timeout_s)  # fmt: skip
     typer.echo(f"serving {model} on http://{host}:{port} (POST /translate, GET /health); Ctrl-C stops", err=True)
     serve_model(model, host=host, port=port, limits=limits)
 

@@ -6,9 +6,12 @@
 Requests that arrive together are translated together: one worker thread takes the first waiting
 request, then gathers more with the same decode settings for up to `batch_wait` seconds or until a
 token budget is full, and translates them as one batch, so throughput grows with concurrency. Every
-field is checked: a body that is not JSON answers 400, a request over the size limits 413, a wrong
-field or value 422, each with {"error": "..."}; a failure inside translation answers 500 and the
-server goes on. uvicorn stops cleanly on SIGTERM or Ctrl-C.
+field is checked by JSON type and every number that sets the amount of work is bounded (`Limits`):
+a body that is not JSON answers 400, a request over the size limits 413 (the body is counted while
+it is read), a wrong field or value 422, a full queue or a request past its time 503 with
+Retry-After, each with {"error": "..."}; a failure inside translation answers 500 without its
+details (they go to the server's log) and the server goes on. uvicorn stops cleanly on SIGTERM or
+Ctrl-C.
 """
 
 from __future__ import annotations
@@ -17,9 +20,12 @@ import asyncio
 import collections
 import contextlib
 import json
+import math
 import queue
+import sys
 import threading
 import time
+import traceback
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,17 +37,33 @@ from seq2seq.config import DecodeConfig
 from seq2seq.errors import UserInputError
 from seq2seq.translator import Translation, Translator
 
-DECODE_OPTIONS = ("beam", "nbest", "length_penalty", "length_norm", "max_len_a", "max_len_b", "min_len",
-                  "no_repeat_ngram")  # fmt: skip
+# The decode fields a request may set, and the JSON type each must have: a number is a number, never
+# a string that parses as one.
+DECODE_FIELDS = {"beam": int, "nbest": int, "patience": float, "length_penalty": float, "length_norm": str,
+                 "max_len_a": float, "max_len_b": int, "min_len": int, "no_repeat_ngram": int}  # fmt: skip
 
 
 @dataclass(frozen=True)
 class Limits:
+    """What one request may ask for, and how much the server takes on: every number that sets the
+    amount of work is bounded here (the decode maxima of config.py are looser: they guard files)."""
+
     max_lines: int = 64  # lines per request
     max_chars: int = 2000  # characters per line
     max_body_bytes: int = 1_000_000
     batch_wait: float = 0.005  # seconds the worker waits for more requests to batch with
+    max_queue: int = 256  # requests waiting or in translation; more are answered 503
+    request_timeout: float = 60.0  # seconds a request may wait for its translation
     max_beam: int = 16
+    max_patience: float = 4.0
+    max_len_a: float = 4.0
+    max_len_b: int = 256
+    max_no_repeat_ngram: int = 8
+
+    def bounds(self) -> dict[str, float]:
+        """Each bounded decode field and its largest allowed value (nbest is bounded by beam)."""
+        return {"beam": self.max_beam, "patience": self.max_patience, "max_len_a": self.max_len_a,
+                "max_len_b": self.max_len_b, "no_repeat_ngram": self.max_no_repeat_ngram}  # fmt: skip
 
 
 @dataclass
@@ -58,8 +80,9 @@ class _Job:
 class BatchingWorker:
     """One thread that translates queued jobs in batches of jobs with equal decode settings."""
 
-    def __init__(self, translator: Translator, batch_wait: float) -> None:
-        self.translator, self.batch_wait = translator, batch_wait
+    def __init__(self, translator: Translator, batch_wait: float, max_queue: int) -> None:
+        self.translator, self.batch_wait, self.max_queue = translator, batch_wait, max_queue
+        self._open = threading.Semaphore(max_queue)  # one per request waiting or in translation
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._held: collections.deque[_Job] = collections.deque()  # other settings: next batch
         self.requests = self.batches = 0  # /health reports them: batches < requests shows batching at work
@@ -67,7 +90,11 @@ class BatchingWorker:
         self._thread.start()
 
     def submit(self, lines: list[str], decode: DecodeConfig) -> Future:
+        """Queue a job, or refuse it (RequestError 503) when max_queue requests are already open."""
+        if not self._open.acquire(blocking=False):
+            raise RequestError(503, f"the server is busy ({self.max_queue} requests open); retry shortly")
         job = _Job(lines, decode)
+        job.future.add_done_callback(lambda _: self._open.release())
         self._queue.put(job)
         return job.future
 
@@ -103,6 +130,9 @@ class BatchingWorker:
         return batch, False
 
     def _translate(self, batch: list[_Job]) -> None:
+        batch = [job for job in batch if job.future.set_running_or_notify_cancel()]  # timed out: skipped
+        if not batch:
+            return
         self.requests, self.batches = self.requests + len(batch), self.batches + 1
         lines = [line for job in batch for line in job.lines]
         try:
@@ -127,9 +157,9 @@ def parse_request(body: object, translator: Translator, limits: Limits) -> tuple
     """The lines and decode settings of a /translate body, or a RequestError (413 or 422) saying what is wrong."""
     if not isinstance(body, dict):
         raise RequestError(422, 'expected a JSON object such as {"lines": ["..."]}')
-    unknown = sorted(set(body) - {"lines", *DECODE_OPTIONS})
+    unknown = sorted(set(body) - {"lines", *DECODE_FIELDS})
     if unknown:
-        raise RequestError(422, f"unknown field(s) {', '.join(unknown)}; expected lines, {', '.join(DECODE_OPTIONS)}")
+        raise RequestError(422, f"unknown field(s) {', '.join(unknown)}; expected lines, {', '.join(DECODE_FIELDS)}")
     lines = body.get("lines")
     if not isinstance(lines, list) or not all(isinstance(line, str) for line in lines):
         raise RequestError(422, "lines: expected a list of strings")
@@ -138,15 +168,17 @@ def parse_request(body: object, translator: Translator, limits: Limits) -> tuple
     for index, line in enumerate(lines):
         if len(line) > limits.max_chars:
             raise RequestError(413, f"lines[{index}]: {len(line)} characters; at most {limits.max_chars} per line")
-    options = {key: body[key] for key in DECODE_OPTIONS if key in body}
+    options = {key: body[key] for key in DECODE_FIELDS if key in body}
     for key, value in options.items():
-        if isinstance(value, (dict, list)) or value is None:
-            raise RequestError(422, f"{key}: expected a number or a word, got {value!r}")
-    if isinstance(options.get("beam"), int) and options["beam"] > limits.max_beam:
-        raise RequestError(422, f"beam: at most {limits.max_beam}")
+        if not _has_json_type(value, DECODE_FIELDS[key]):
+            expected = {int: "an integer", float: "a number", str: "a string"}[DECODE_FIELDS[key]]
+            raise RequestError(422, f"{key}: expected {expected}, got {_short(value)}")
+        most = limits.bounds().get(key)
+        if most is not None and value > most:
+            raise RequestError(422, f"{key}: at most {most} on this server, got {value}")
     try:
         decode = translator.settings(**options)
-    except UserInputError as error:  # lines like "--set decode.beam: decode.beam: expected ...": keep the key once
+    except UserInputError as error:  # lines like "options: decode.nbest: expected ...": keep the key once
         problems = [line.split(": ", 1)[-1] for line in str(error).splitlines()]
         raise RequestError(422, "; ".join(problems)) from None
     return [line.replace("\n", " ") for line in lines], decode
@@ -158,7 +190,7 @@ def create_app(translator: Translator, *, model_name: str, limits: Limits = Limi
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         nonlocal worker
-        worker = BatchingWorker(translator, limits.batch_wait)
+        worker = BatchingWorker(translator, limits.batch_wait, limits.max_queue)
         yield
         worker.stop()
 
@@ -171,21 +203,20 @@ def create_app(translator: Translator, *, model_name: str, limits: Limits = Limi
 
     @app.post("/translate")
     async def translate(request: Request) -> JSONResponse:
-        size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > limits.max_body_bytes:
-            return _error(413, f"request body of {size} bytes; at most {limits.max_body_bytes}")
-        raw = await request.body()
-        if len(raw) > limits.max_body_bytes:
-            return _error(413, f"request body of {len(raw)} bytes; at most {limits.max_body_bytes}")
         try:
-            body = _json(raw)
+            body = _json(await _read_body(request, limits.max_body_bytes))
             lines, decode = parse_request(body, translator, limits)
+            job = worker.submit(lines, decode)
         except RequestError as error:
-            return _error(error.status, str(error))
+            return _error(error.status, str(error), retry=error.status == 503)
         try:
-            results: list[Translation] = await asyncio.wrap_future(worker.submit(lines, decode))
-        except Exception as error:
-            return _error(500, f"translation failed: {type(error).__name__}: {error}")
+            results: list[Translation] = await asyncio.wait_for(asyncio.wrap_future(job), limits.request_timeout)
+        except asyncio.TimeoutError:  # the job is cancelled: the worker skips it if it has not begun
+            return _error(503, f"translation took over {limits.request_timeout:g} s; try fewer or shorter lines",
+                          retry=True)  # fmt: skip
+        except Exception:  # the details go to the server's log, never to the client
+            traceback.print_exc(file=sys.stderr)
+            return _error(500, "translation failed; the server's log has the details")
         answer: dict = {"translations": [t.text for t in results]}
         if decode.nbest > 1:
             answer["nbest"] = [[{"text": text, "score": score} for text, score in t.nbest] for t in results]
@@ -194,15 +225,44 @@ def create_app(translator: Translator, *, model_name: str, limits: Limits = Limi
     return app
 
 
+def _has_json_type(value: object, kind: type) -> bool:
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return isinstance(value, kind) and not isinstance(value, bool)
+
+
+def _short(value: object) -> str:
+    """A value as the client sent it, cut short: an error names it without echoing a large body."""
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, read chunk by chunk and refused as soon as it passes `limit` (whatever Content-Length says)."""
+    size = request.headers.get("content-length")
+    if size is not None and size.isdigit() and int(size) > limit:
+        raise RequestError(413, f"request body of {size} bytes; at most {limit}")
+    chunks, total = [], 0
+    async for chunk in request.stream():
+        total += len(chunk)
+        if total > limit:
+            raise RequestError(413, f"request body over {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def _json(raw: bytes) -> object:
     try:
         return json.loads(raw)
+    except RecursionError:
+        raise RequestError(400, "malformed JSON: nested too deeply") from None
     except (ValueError, UnicodeDecodeError) as error:
         raise RequestError(400, f"malformed JSON: {error}") from None
 
 
-def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": message}, status_code=status)
+def _error(status: int, message: str, *, retry: bool = False) -> JSONResponse:
+    headers = {"Retry-After": "1"} if retry else None
+    return JSONResponse({"error": message}, status_code=status, headers=headers)
 
 
 def serve(model: Path, *, host: str, port: int, limits: Limits = Limits()) -> None:

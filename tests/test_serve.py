@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,7 +17,7 @@ import pytest
 httpx = pytest.importorskip("httpx", reason="optional extra: pip install -e '.[serve]' (included in [dev])")
 pytest.importorskip("fastapi", reason="optional extra: pip install -e '.[serve]' (included in [dev])")
 
-from seq2seq.translator import Translator  # noqa: E402
+from seq2seq.translator import Translation, Translator  # noqa: E402
 
 
 def free_port() -> int:
@@ -102,14 +103,41 @@ def test_concurrent_requests_are_batched_and_each_gets_its_own_answer(server):
         (json.dumps({"lines": "a"}).encode(), 422, "lines: expected a list of strings"),
         (json.dumps(["a"]).encode(), 422, "expected a JSON object"),
         (json.dumps({"lines": ["a"], "beem": 2}).encode(), 422, "unknown field(s) beem"),
-        (json.dumps({"lines": ["a"], "beam": "wide"}).encode(), 422, "decode.beam: expected an integer"),
+        (json.dumps({"lines": ["a"], "beam": "wide"}).encode(), 422, "beam: expected an integer"),
         (json.dumps({"lines": ["a"], "beam": 1000}).encode(), 422, "beam: at most 16"),
+        # a number is a JSON number: strings that YAML would have parsed (1000, 0x10) are refused
+        (json.dumps({"lines": ["a"], "beam": "1000"}).encode(), 422, 'beam: expected an integer, got "1000"'),
+        (json.dumps({"lines": ["a"], "beam": "0x10"}).encode(), 422, 'beam: expected an integer, got "0x10"'),
+        (json.dumps({"lines": ["a"], "beam": True}).encode(), 422, "beam: expected an integer, got true"),
+        (json.dumps({"lines": ["a"], "length_penalty": "0.5"}).encode(), 422, "length_penalty: expected a number"),
+        (json.dumps({"lines": ["a"], "max_len_a": 1e6}).encode(), 422, "max_len_a: at most 4.0 on this server"),
+        (json.dumps({"lines": ["a"], "max_len_b": 100000}).encode(), 422, "max_len_b: at most 256 on this server"),
+        (json.dumps({"lines": ["a"], "no_repeat_ngram": 50}).encode(), 422, "no_repeat_ngram: at most 8"),
+        (json.dumps({"lines": ["a"], "patience": 100}).encode(), 422, "patience: at most 4.0 on this server"),
+        (json.dumps({"lines": ["a"], "beam": 2, "nbest": 3}).encode(), 422, "nbest: expected at most beam (2)"),
+        (json.dumps({"lines": ["a"], "min_len": 200}).encode(), 422, "min_len: expected at most the length limit"),
+        (b"[" * 100_000 + b"]" * 100_000, 400, "malformed JSON: nested too deeply"),
     ],
 )
 def test_bad_requests_get_a_json_error_and_the_server_lives_on(server, body, status, fragment):
     url, process, _, _ = server
     response = httpx.post(f"{url}/translate", content=body, headers={"content-type": "application/json"})
     assert response.status_code == status and fragment in response.json()["error"]
+    assert process.poll() is None and httpx.get(f"{url}/health").status_code == 200
+
+
+def test_a_chunked_body_is_refused_once_it_passes_the_limit(server):
+    """Without Content-Length (chunked transfer) the body is counted while it is read."""
+    url, process, _, _ = server
+
+    def chunks():
+        yield b'{"lines": ["'
+        for _ in range(1100):
+            yield b"a" * 1000
+        yield b'"]}'
+
+    response = httpx.post(f"{url}/translate", content=chunks(), headers={"content-type": "application/json"})
+    assert response.status_code == 413 and "request body over 1000000 bytes" in response.json()["error"]
     assert process.poll() is None and httpx.get(f"{url}/health").status_code == 200
 
 
@@ -124,3 +152,57 @@ def test_sigterm_stops_the_server_cleanly_after_the_request_in_flight(server):
     # uvicorn re-raises the signal once shut down, so the exit status says "ended by SIGTERM"
     assert process.wait(timeout=20) in (0, -signal.SIGTERM)
     assert "Traceback" not in process.stderr.read().decode()
+
+
+class StalledTranslator:
+    """An engine that waits for `release` (a request in flight as long as a test wants) or fails."""
+
+    def __init__(self, *, fail: bool = False) -> None:
+        self.release, self.fail, self.calls = threading.Event(), fail, 0
+
+    def __call__(self, lines, decode, progress):
+        self.calls += 1
+        if self.fail:
+            raise RuntimeError("/secret/internal/path.py line 7: tensor shape mismatch")
+        self.release.wait(timeout=30)
+        return [Translation([(line.upper(), 0.0)]) for line in lines]
+
+
+def app_client(engine: StalledTranslator, **limits):
+    from fastapi.testclient import TestClient
+
+    from seq2seq.config import DecodeConfig
+    from seq2seq.serve import Limits, create_app
+
+    translator = Translator(DecodeConfig(beam=2), engine, engine="stalled")
+    return TestClient(create_app(translator, model_name="stalled", limits=Limits(**limits)))
+
+
+def test_a_full_queue_answers_503_and_a_slow_request_times_out():
+    engine = StalledTranslator()
+    with app_client(engine, max_queue=1, request_timeout=1.0, batch_wait=0.0) as client:
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            first = pool.submit(client.post, "/translate", json={"lines": ["a"]})
+            deadline = time.time() + 10
+            while engine.calls == 0 and time.time() < deadline:  # the first request is being translated
+                time.sleep(0.01)
+            busy = client.post("/translate", json={"lines": ["b"]})
+            assert busy.status_code == 503 and "busy (1 requests open)" in busy.json()["error"]
+            assert busy.headers["retry-after"] == "1"
+            late = first.result(timeout=20)
+        assert late.status_code == 503 and "took over 1 s" in late.json()["error"]
+        engine.release.set()
+        deadline = time.time() + 10  # the stalled job ends and frees its place in the queue
+        while (answer := client.post("/translate", json={"lines": ["c"]})).status_code == 503:
+            assert time.time() < deadline
+            time.sleep(0.05)
+        assert answer.status_code == 200 and answer.json()["translations"] == ["C"]
+
+
+def test_a_failure_inside_translation_is_a_500_that_echoes_nothing_internal(capfd):
+    with app_client(StalledTranslator(fail=True)) as client:
+        response = client.post("/translate", json={"lines": ["a"]})
+        assert response.status_code == 500
+        assert response.json() == {"error": "translation failed; the server's log has the details"}
+        assert client.get("/health").status_code == 200
+    assert "/secret/internal/path.py" in capfd.readouterr().err  # the server's log has it
