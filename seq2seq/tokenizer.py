@@ -57,7 +57,9 @@ class Tokenizer:
         return self.tgt_model.encode(lines, out_type=int, num_threads=_threads())
 
     def decode_tgt(self, ids: list[int]) -> str:
-        return self.tgt_model.decode([i for i in ids if i > EOS_ID])
+        """Text of output ids: PAD, BOS and EOS dropped, an unknown token shown as SentencePiece shows
+        it (⁇), as the CTranslate2 engine shows it: a reader sees that something was not known."""
+        return self.tgt_model.decode([i for i in ids if i not in (PAD_ID, BOS_ID, EOS_ID)])
 
     def src_pieces(self, line: str) -> list[str]:
         return self.src_model.encode(line, out_type=str, add_eos=True)

@@ -43,3 +43,14 @@ def test_decomposed_and_composed_text_get_the_same_ids():
     assert decomposed != composed
     assert tokenizer.encode_src(decomposed) == tokenizer.encode_src(composed)
     assert tokenizer.encode_tgt(decomposed) == tokenizer.encode_tgt(composed)
+
+
+def test_an_unknown_output_token_reads_the_same_in_both_engines(demo_pairs):
+    """PyTorch's search returns ids (decode_tgt); CTranslate2 returns pieces, which its engine turns
+    into text with SentencePiece: an unknown token must not vanish in one and show in the other."""
+    tokenizer = train_tokenizer(TokenizerConfig(vocab_size=300), demo_pairs["train"])
+    ids = tokenizer.encode_tgt(["ed la par"])[0]
+    with_unknown = [*ids[:1], UNK_ID, *ids[1:], EOS_ID]
+    ours = tokenizer.decode_tgt(with_unknown)
+    ctranslate2_way = tokenizer.tgt_model.decode(tokenizer.tgt_pieces(with_unknown[:-1]))  # its output stops before EOS
+    assert "⁇" in ours and ours == ctranslate2_way
