@@ -137,6 +137,12 @@ def test_shared_embeddings_are_one_matrix_and_scaled():
     separate = make_model("post", share_embeddings=False, tie_output=False)
     assert separate.src_embed.weight is not separate.tgt_embed.weight
     assert separate.output_proj.weight is not separate.tgt_embed.weight
+    # the embedding is scaled by sqrt(d_model) before the positions are added (Vaswani et al. 3.4)
+    tokens = torch.tensor([[5, 6, 7]])
+    with torch.no_grad():
+        embedded = model.embed(model.src_embed, tokens, 0)
+        expected = model.src_embed.weight[tokens] * math.sqrt(D_MODEL) + sinusoidal_positions(torch.arange(3), D_MODEL)
+    torch.testing.assert_close(embedded, expected)
 
 
 def test_gelu_activation_changes_the_output():
