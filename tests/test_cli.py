@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import sacrebleu
 import torch
 import yaml
 from typer.testing import CliRunner
@@ -134,6 +135,8 @@ def test_eval_prints_signatures_and_writes_json(trained_run, tmp_path):
         report,
         "--beam",
         "1",
+        "--hyps",
+        tmp_path / "hyps.txt",
     )
     assert result.exit_code == 0, result.output
     assert "BLEU = " in result.stdout and "nrefs:1|case:mixed" in result.stdout and "chrF2 = " in result.stdout
@@ -142,7 +145,11 @@ def test_eval_prints_signatures_and_writes_json(trained_run, tmp_path):
         parsed["sentences"] == 30 and parsed["beam"] == 1 and [s["name"] for s in parsed["scores"]] == ["BLEU", "chrF2"]
     )
     bleu = parsed["scores"][0]
-    assert 0.0 <= bleu["score"] <= 100.0 and len(bleu["precisions"]) == 4 and bleu["signature"] in result.stdout
+    hypotheses = (tmp_path / "hyps.txt").read_text(encoding="utf-8").splitlines()
+    references = (data / "test.xx").read_text(encoding="utf-8").splitlines()
+    expected = sacrebleu.corpus_bleu(hypotheses, [references])  # the report is sacrebleu's figure, on its hypotheses
+    assert bleu["score"] == pytest.approx(expected.score) and bleu["precisions"] == pytest.approx(expected.precisions, abs=1e-3)
+    assert bleu["signature"] in result.stdout
 
 
 def test_average_plot_and_attention_plot(trained_run, tmp_path):

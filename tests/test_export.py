@@ -122,4 +122,5 @@ def test_existing_output_and_foreign_directories_are_refused(checkpoint, tmp_pat
     assert result.exit_code == 2 and "not an exported model" in result.stderr
     (tmp_path / "taken" / EXPORT_METADATA).write_text(json.dumps({"config": {}, "tokenizer": {}}))
     result = invoke("translate", "-c", tmp_path / "taken", "-i", data / "test.en")
-    assert result.exit_code == 2 and "Traceback" not in result.output and len(result.stderr.splitlines()) >= 1
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert result.stderr.strip() == f"error: {tmp_path / 'taken'} (stored config): data: required key is missing"
