@@ -148,7 +148,9 @@ def test_eval_prints_signatures_and_writes_json(trained_run, tmp_path):
     hypotheses = (tmp_path / "hyps.txt").read_text(encoding="utf-8").splitlines()
     references = (data / "test.xx").read_text(encoding="utf-8").splitlines()
     expected = sacrebleu.corpus_bleu(hypotheses, [references])  # the report is sacrebleu's figure, on its hypotheses
-    assert bleu["score"] == pytest.approx(expected.score) and bleu["precisions"] == pytest.approx(expected.precisions, abs=1e-3)
+    assert bleu["score"] == pytest.approx(expected.score) and bleu["precisions"] == pytest.approx(
+        expected.precisions, abs=1e-3
+    )
     assert bleu["signature"] in result.stdout
 
 
