@@ -144,11 +144,18 @@ def test_a_chunked_body_is_refused_once_it_passes_the_limit(server):
 def test_sigterm_stops_the_server_cleanly_after_the_request_in_flight(server):
     url, process, _, data = server
     lines = (data / "test.en").read_text().splitlines()[:8]
+    heavy = {"lines": lines, "beam": 16, "max_len_a": 4.0, "max_len_b": 256}  # seconds of work
+    before = httpx.get(f"{url}/health").json()["requests"]
     with ThreadPoolExecutor(max_workers=1) as pool:
-        in_flight = pool.submit(httpx.post, f"{url}/translate", json={"lines": lines, "beam": 4}, timeout=60)
-        time.sleep(0.3)
+        in_flight = pool.submit(lambda: (httpx.post(f"{url}/translate", json=heavy, timeout=60), time.monotonic()))
+        deadline = time.time() + 30
+        while httpx.get(f"{url}/health").json()["requests"] == before:  # its translation has begun
+            assert time.time() < deadline and not in_flight.done()
+            time.sleep(0.01)
+        signalled = time.monotonic()
         process.send_signal(signal.SIGTERM)
-        assert in_flight.result().status_code == 200  # answered before the server went down
+        response, answered = in_flight.result()
+        assert response.status_code == 200 and answered > signalled  # in flight at SIGTERM, answered after
     # uvicorn re-raises the signal once shut down, so the exit status says "ended by SIGTERM"
     assert process.wait(timeout=20) in (0, -signal.SIGTERM)
     assert "Traceback" not in process.stderr.read().decode()
