@@ -219,3 +219,21 @@ def test_bf16_cpu_attention_keeps_scores_and_softmax_in_fp32():
     expected = (q.float() @ k.float().transpose(-2, -1) * (D_MODEL // HEADS) ** -0.5).softmax(-1)
     assert probabilities.dtype == torch.float32
     torch.testing.assert_close(probabilities, expected, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_the_bf16_training_path_computes_attention_in_fp32(is_causal):
+    """The fused path training runs (layers._cpu_bf16_attention): bf16 q, k, v in, and the result is
+    fp32 attention rounded once to bf16 at the end, not attention over bf16-rounded scores."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, HEADS, 9, D_MODEL // HEADS).mul(4).bfloat16() for _ in range(3))
+    out = _cpu_bf16_attention(q, k, v, mask=None, is_causal=is_causal, dropout_p=0.0)
+    scores = q.double() @ k.double().transpose(-2, -1) * (D_MODEL // HEADS) ** -0.5
+    if is_causal:
+        scores = scores.masked_fill(torch.ones(9, 9, dtype=torch.bool).triu(1), float("-inf"))
+    exact = scores.softmax(-1) @ v.double()
+    rounded_scores = scores.bfloat16().double().softmax(-1) @ v.double()  # what bf16 scores would give
+    assert out.dtype == torch.bfloat16
+    ours, theirs = (out.double() - exact).abs().max(), (rounded_scores - exact).abs().max()
+    assert ours <= exact.abs().max() * 2**-8  # one bf16 rounding of the output, nothing more
+    assert theirs > 2 * ours  # the check can tell the two apart
