@@ -63,6 +63,8 @@ def evaluate_files(
         if path is not None:
             check_writable(path)
     sources = list(read_lines(src))
+    if not sources:
+        raise UserInputError(f"{src}: no lines to translate; expected a source file with at least one line")
     reference_sets = _read_references(refs, len(sources), counted=str(src))
     translator = Translator.load(model, device=device)
     decode = translator.settings(decode_overrides)
@@ -82,6 +84,8 @@ def score_files(hyp: Path, refs: list[Path], *, options: ScoreOptions = ScoreOpt
     if json_path is not None:
         check_writable(json_path)
     hypotheses = read_text_file(hyp)
+    if not hypotheses:
+        raise UserInputError(f"{hyp}: no lines to score; expected a hypothesis file with at least one line")
     scores = score(hypotheses, _read_references(refs, len(hypotheses), counted=str(hyp)), options)
     if json_path:
         report = {**scores.to_dict(), "hyp": str(hyp), "refs": [str(r) for r in refs]}

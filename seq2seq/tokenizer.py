@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import random
+import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TypeVar
@@ -153,6 +154,14 @@ def _train_model(config: TokenizerConfig, sentences: list[str]) -> bytes:
     if not sentences:
         raise UserInputError("tokenizer: the training data has no sentences to learn a vocabulary from")
     proto = io.BytesIO()
+    try:
+        _train_sentencepiece(config, sentences, proto)
+    except RuntimeError as error:  # SentencePiece's own checks: say what to change in the config
+        raise UserInputError(_sentencepiece_problem(str(error), config)) from None
+    return proto.getvalue()
+
+
+def _train_sentencepiece(config: TokenizerConfig, sentences: list[str], proto: io.BytesIO) -> None:
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(sentences),
         model_writer=proto,
@@ -168,7 +177,18 @@ def _train_model(config: TokenizerConfig, sentences: list[str]) -> bytes:
         num_threads=_threads(),
         minloglevel=2,
     )
-    return proto.getvalue()
+
+
+def _sentencepiece_problem(message: str, config: TokenizerConfig) -> str:
+    """One line in our terms for an error SentencePiece raised while training."""
+    too_small = re.search(r"Vocabulary size is smaller than required_chars\. (\d+) vs (\d+)", message)
+    if too_small:
+        return (f"tokenizer.vocab_size: {config.vocab_size} is below the {too_small.group(2)} pieces that the "
+                f"training text's characters and the 4 special pieces need; expected at least {too_small.group(2)}, "
+                "or a lower tokenizer.character_coverage (e.g. 0.9995) to map rare characters to unknown")  # fmt: skip
+    reason = message.split("] ", 1)[-1].strip() or message
+    return (f"tokenizer: SentencePiece could not train with vocab_size {config.vocab_size}, model_type "
+            f"{config.model_type}, character_coverage {config.character_coverage}: {reason}")  # fmt: skip
 
 
 def _reservoir(items: Iterable[T], size: int, seed: int) -> list[T]:

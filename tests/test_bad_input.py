@@ -33,6 +33,7 @@ class Paths:
     latin1: Path  # not UTF-8 on line 2
     missing: Path  # does not exist
     nowhere: Path  # a file in a folder that does not exist
+    empty: Path  # a file with no lines
 
 
 @pytest.fixture(scope="module")
@@ -45,9 +46,11 @@ def world(tmp_path_factory, trained_checkpoint) -> Paths:
     (root / "file.txt").write_text("a file\n")
     (root / "junk.pt").write_bytes(b"not a checkpoint")
     (root / "latin1.txt").write_bytes("first line\nsecond l\xe9ne\n".encode("latin-1"))
+    (root / "empty.txt").write_text("")
     bad = {"folder": root / "folder", "file": root / "file.txt",
            "junk": root / "junk.pt", "latin1": root / "latin1.txt",
-           "missing": root / "missing.txt", "nowhere": root / "no" / "such" / "out.txt"}  # fmt: skip
+           "missing": root / "missing.txt", "nowhere": root / "no" / "such" / "out.txt",
+           "empty": root / "empty.txt"}  # fmt: skip
     return Paths(root, data, checkpoint.parent.parent, checkpoint, config, **bad)
 
 
@@ -126,6 +129,14 @@ CASES = {
         lambda w: ["eval", "-c", w.checkpoint, "--src", w.data / "test.en", "--ref", w.data / "test.xx", "--hyps",
                    w.folder],
         lambda w: [str(w.folder), "is a directory"]),
+    "eval on empty files": Case(lambda w: ["eval", "-c", w.checkpoint, "--src", w.empty, "--ref", w.empty],
+                                lambda w: [str(w.empty), "no lines to translate"]),
+    "score an empty hypothesis file": Case(lambda w: ["score", "--hyp", w.empty, "--ref", w.empty],
+                                           lambda w: [str(w.empty), "no lines to score"]),
+    "tokenizer vocab_size below the character set": Case(
+        lambda w: ["tokenizer", "train",
+                   _config_with(w, "tiny_vocab", lambda raw: raw["tokenizer"].update(vocab_size=10))],
+        lambda w: ["tokenizer.vocab_size: 10 is below the", "expected at least", "character_coverage"]),
     "score --metrics unknown": Case(
         lambda w: ["score", "--hyp", w.data / "test.xx", "--ref", w.data / "test.xx", "--metrics", "bleu,meteor"],
         lambda w: ["--metrics", "meteor", "expected some of bleu, chrf, chrf++, ter"]),

@@ -12,6 +12,7 @@ import dataclasses
 import gzip
 import itertools
 import json
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,27 +88,28 @@ def _text_pairs(src_path: str, tgt_path: str, key: str) -> Iterator[tuple[str, s
         yield src, tgt
 
 
-def read_lines(path: str | Path) -> Iterator[str]:
-    """Normalised lines of a UTF-8 text file (optionally .gz)."""
+def read_lines(path: str | Path, *, keep_tabs: bool = False) -> Iterator[str]:
+    """Normalised lines of a UTF-8 text file (optionally .gz). With keep_tabs, tabs at either end stay
+    (a TSV line "source<TAB>" has an empty target, not no tab)."""
     path = str(path)
     opener = gzip.open if path.endswith(".gz") else open
     try:
         with opener(path, "rb") as handle:
-            yield from decode_lines(handle, path)
+            yield from decode_lines(handle, path, keep_tabs=keep_tabs)
     except FileNotFoundError:
         raise UserInputError(f"{path}: file not found") from None
     except (gzip.BadGzipFile, EOFError) as exc:
         raise UserInputError(f"{path}: not a readable gzip file ({exc})") from None
 
 
-def decode_lines(handle: BinaryIO, name: str) -> Iterator[str]:
+def decode_lines(handle: BinaryIO, name: str, *, keep_tabs: bool = False) -> Iterator[str]:
     """Normalised lines of a binary stream; `name` identifies it in the error for a non-UTF-8 line."""
     for number, raw in enumerate(handle, 1):
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise UserInputError(f"{name}:{number}: not valid UTF-8 (bad byte at column {exc.start + 1})") from None
-        yield normalize(text)
+        yield normalize(text, keep_tabs=keep_tabs)
 
 
 def chunked(items: Iterable[T], size: int) -> Iterator[list[T]]:
@@ -129,13 +131,17 @@ def with_progress(items: Iterable[T], desc: str, *, enabled: bool) -> Iterator[T
             yield item
 
 
-def normalize(text: str) -> str:
-    """A line without its BOM, line end and surrounding spaces."""
-    return text.lstrip("\ufeff").strip()
+_SPACE_BUT_TAB_AT_ENDS = re.compile(r"^[^\S\t]+|[^\S\t]+$")
+
+
+def normalize(text: str, *, keep_tabs: bool = False) -> str:
+    """A line without its BOM, line end and surrounding spaces (and tabs, unless keep_tabs)."""
+    text = text.lstrip("\ufeff")
+    return _SPACE_BUT_TAB_AT_ENDS.sub("", text) if keep_tabs else text.strip()
 
 
 def _tsv_pairs(path: str) -> Iterator[tuple[str, str]]:
-    for number, line in enumerate(read_lines(path), 1):
+    for number, line in enumerate(read_lines(path, keep_tabs=True), 1):
         if not line:
             continue
         tabs = line.count("\t")

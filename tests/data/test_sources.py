@@ -59,6 +59,11 @@ def test_tsv_and_its_missing_tab(tmp_path):
     path.write_text("hallo\thello\nwelt\tworld\n")
     text = read(CorpusConfig(format="tsv", path=str(path)))
     assert (text.src, text.tgt) == (["hallo", "welt"], ["hello", "world"])
+    path.write_text("hallo\thello\nnur quelle\t\n\tonly target\n  welt \t world \n")  # empty sides: dropped, counted
+    counts = PairCounts()
+    kept = list(iter_pairs(CorpusConfig(format="tsv", path=str(path)), src_lang="de", tgt_lang="en", key="k",
+                           counts=counts))  # fmt: skip
+    assert kept == [("hallo", "hello"), ("welt", "world")] and counts.dropped_empty == 2
     path.write_text("hallo\thello\nno tab here\n")
     assert (
         error_of(CorpusConfig(format="tsv", path=str(path)))
