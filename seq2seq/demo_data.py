@@ -13,6 +13,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from seq2seq.files import write_text_atomic
+
 _SOURCE_NOUNS = (
     "cat dog bird horse child farmer teacher doctor king queen friend baker singer painter soldier "
     "sailor student driver monkey tiger lion wolf fox rabbit mouse girl boy woman man neighbor artist "
@@ -175,5 +177,5 @@ def write_demo_corpus(out_dir: str | Path, *, seed: int = 1, src_lang: str = "en
     out.mkdir(parents=True, exist_ok=True)
     for split, pairs in make_demo_corpus(seed).items():
         for lang, side in ((src_lang, 0), (tgt_lang, 1)):
-            (out / f"{split}.{lang}").write_text("".join(p[side] + "\n" for p in pairs), encoding="utf-8")
+            write_text_atomic(out / f"{split}.{lang}", "".join(p[side] + "\n" for p in pairs))
     return out

@@ -32,6 +32,7 @@ from seq2seq.data.prepare import read_split
 from seq2seq.data.sources import read_lines
 from seq2seq.errors import UserInputError
 from seq2seq.evaluate import translate_and_score
+from seq2seq.files import remove_stale_temporaries, temporary_path
 from seq2seq.model import sinusoidal_positions
 from seq2seq.scoring import Scores
 from seq2seq.translator import EXPORT_METADATA, Translator
@@ -98,7 +99,8 @@ def export_checkpoint(
     checkpoint = Checkpoint.load(checkpoint_path)
     sources, references = _check_sentences(checkpoint, check_src, check_ref, check_lines)
     spec = build_spec(checkpoint)
-    staging = output.with_name(f".{output.name}.tmp-{os.getpid()}")
+    remove_stale_temporaries(output.parent, output.name)  # a killed export's staging folder
+    staging = temporary_path(output)
     try:
         _SpecConverter(spec).convert(str(staging), quantization=quantization, force=True)
         _write_tokenizer_and_metadata(staging, checkpoint, quantization)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -31,12 +32,44 @@ def check_writable(path: str | Path, *, what: str = "output file") -> None:
         raise UserInputError(f"{path}: the folder {folder} is not writable; expected a writable folder")
 
 
+def temporary_path(path: str | Path) -> Path:
+    """Where `path` is built before it is renamed into place: .NAME.tmp-PID beside it (the PID tells
+    remove_stale_temporaries whether the process that writes it is still alive)."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def remove_stale_temporaries(folder: str | Path, name: str = "*") -> None:
+    """Remove the temporaries (.NAME.tmp-PID files or folders) of `name` in `folder` that a process
+    which no longer runs left behind; those of a live process, which is still writing them, stay."""
+    folder = Path(folder)
+    for stale in folder.glob(f".{name}.tmp-*") if folder.is_dir() else ():
+        pid = stale.name.rsplit("-", 1)[1]
+        if not pid.isdigit() or _running(int(pid)):
+            continue
+        if stale.is_dir() and not stale.is_symlink():
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            stale.unlink(missing_ok=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 @contextlib.contextmanager
 def atomic_write(path: str | Path) -> Iterator[BinaryIO]:
     """A binary handle whose content replaces `path` only when the block completes; on any failure the
-    temporary file is deleted and `path` is left as it was."""
+    temporary file is deleted and `path` is left as it was. A killed writer's leftovers for `path` go first."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    remove_stale_temporaries(path.parent, path.name)
+    tmp = temporary_path(path)
     try:
         with open(tmp, "wb") as handle:
             yield handle

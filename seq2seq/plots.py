@@ -14,6 +14,7 @@ import torch  # noqa: E402
 from seq2seq.config import DecodeConfig  # noqa: E402
 from seq2seq.data.batching import pad  # noqa: E402
 from seq2seq.errors import UserInputError  # noqa: E402
+from seq2seq.files import atomic_write  # noqa: E402
 from seq2seq.run_log import MetricsLog  # noqa: E402
 from seq2seq.search import search  # noqa: E402
 from seq2seq.special_tokens import BOS_ID  # noqa: E402
@@ -62,7 +63,7 @@ def plot_training_curves(run_dir: str | Path) -> list[Path]:
         ax.grid(alpha=0.3)
         ax.legend()
         fig.tight_layout()
-        fig.savefig(out / f"{name}.png", dpi=110)
+        _save_png(fig, out / f"{name}.png")
         plt.close(fig)
         written.append(out / f"{name}.png")
     return written
@@ -100,7 +101,13 @@ def plot_attention(
             ax.set_title(f"layer {layer + 1}", fontsize=8)
         fig.tight_layout()
         path = out_dir / f"attention_{number}.png"
-        fig.savefig(path, dpi=110)
+        _save_png(fig, path)
         plt.close(fig)
         written.append(path)
     return written
+
+
+def _save_png(fig, path: Path) -> None:
+    """Written atomically, as every file seq2seq writes: a killed run never leaves half a PNG."""
+    with atomic_write(path) as handle:
+        fig.savefig(handle, format="png", dpi=110)

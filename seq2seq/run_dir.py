@@ -21,7 +21,7 @@ from seq2seq.data.prepare import TrainingData, prepare_training_data, read_split
 from seq2seq.data.sources import corpus_identity, with_progress
 from seq2seq.distributed import DistributedContext
 from seq2seq.errors import UserInputError
-from seq2seq.files import write_text_atomic
+from seq2seq.files import remove_stale_temporaries, write_text_atomic
 from seq2seq.tokenizer import Tokenizer, load_or_train_tokenizer, saved_tokenizer_exists
 
 log = logging.getLogger(__name__)
@@ -66,10 +66,9 @@ class RunDir:
             )
 
     def remove_stale_temporaries(self) -> None:
-        """Temporary files a killed process left half-written (files.atomic_write names them .NAME.tmp-PID)."""
+        """Temporary files a killed process left half-written (files.temporary_path names them .NAME.tmp-PID)."""
         for folder in (self.root, self.checkpoints, self.tokenizer):
-            for stale in folder.glob(".*.tmp-*") if folder.is_dir() else ():
-                stale.unlink(missing_ok=True)
+            remove_stale_temporaries(folder)
 
     def latest_checkpoint(self) -> Path:
         return numbered_checkpoints(self.checkpoints)[-1]

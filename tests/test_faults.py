@@ -122,3 +122,55 @@ def test_kills_at_random_moments_then_resume_give_the_uninterrupted_model(tmp_pa
     assert ours.progress.step == theirs.progress.step == 80
     for name, tensor in theirs.model.items():
         assert torch.equal(ours.model[name], tensor), name
+
+
+def _dead_pid() -> int:
+    """The PID of a process that has ended (a killed writer's)."""
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
+def test_stale_temporaries_of_ended_processes_go_and_a_live_writers_stay(tmp_path):
+    from seq2seq.files import remove_stale_temporaries
+
+    dead, alive = _dead_pid(), os.getpid()
+    (tmp_path / f".out.txt.tmp-{dead}").write_text("half")
+    (tmp_path / f".entry.tmp-{dead}").mkdir()
+    (tmp_path / f".entry.tmp-{dead}" / "ids.bin").write_text("half")
+    keep = [tmp_path / f".out.txt.tmp-{alive}", tmp_path / "out.txt", tmp_path / ".notes.tmp-draft"]
+    for path in keep:
+        path.write_text("mine")
+    remove_stale_temporaries(tmp_path, "out.txt")
+    assert not (tmp_path / f".out.txt.tmp-{dead}").exists() and (tmp_path / f".entry.tmp-{dead}").exists()
+    remove_stale_temporaries(tmp_path)
+    assert not (tmp_path / f".entry.tmp-{dead}").exists()
+    assert all(path.read_text() == "mine" for path in keep)  # a live writer's, the user's, not ours
+
+
+def test_every_writer_sweeps_what_a_killed_one_left(tmp_path, trained_checkpoint):
+    """-o outputs, exported models and encoding-cache entries: each kind of temporary seq2seq writes."""
+    from seq2seq.data import cache
+    from seq2seq.files import write_text_atomic
+
+    dead = _dead_pid()
+    stale_output = tmp_path / f".report.json.tmp-{dead}"
+    stale_output.write_text("half")
+    write_text_atomic(tmp_path / "report.json", "{}\n")
+    assert not stale_output.exists() and (tmp_path / "report.json").read_text() == "{}\n"
+
+    stale_entry = tmp_path / "cache" / f".0123abcd.tmp-{dead}"
+    stale_entry.mkdir(parents=True)
+    with cache.new_entry(tmp_path / "cache" / "4567cdef") as folder:
+        cache.write_report(folder, {})
+    assert not stale_entry.exists() and (tmp_path / "cache" / "4567cdef" / "report.json").exists()
+
+    pytest.importorskip("ctranslate2", reason="optional extra: pip install -e '.[export]' (included in [dev])")
+    from seq2seq.export import export_checkpoint
+
+    stale_staging = tmp_path / f".model.tmp-{dead}"
+    stale_staging.mkdir()
+    (stale_staging / "model.bin").write_text("half")
+    checkpoint, _ = trained_checkpoint
+    export_checkpoint(checkpoint, tmp_path / "model", check_lines=5)
+    assert not stale_staging.exists() and (tmp_path / "model" / "model.bin").exists()

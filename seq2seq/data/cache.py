@@ -19,6 +19,7 @@ from pathlib import Path
 from seq2seq.config import CorpusConfig
 from seq2seq.data.encoded import EncodedCorpus
 from seq2seq.data.sources import corpus_identity
+from seq2seq.files import remove_stale_temporaries, temporary_path
 from seq2seq.tokenizer import Tokenizer
 
 CACHE_VERSION = 3  # 2: raw .bin id files, appended chunk by chunk; 3: content identity of dataset folders
@@ -45,7 +46,8 @@ def load_cached(entry: Path) -> tuple[EncodedCorpus, dict] | None:
 def new_entry(entry: Path) -> Iterator[Path]:
     """A temporary folder to fill with an entry's files and report.json (write_report); it becomes
     `entry` when the block completes and is removed if the block fails, so a reader never sees half."""
-    tmp = entry.with_name(f".{entry.name}.tmp-{os.getpid()}")
+    remove_stale_temporaries(entry.parent)  # entries a killed process was filling
+    tmp = temporary_path(entry)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
