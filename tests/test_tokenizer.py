@@ -37,7 +37,9 @@ def test_separate_vocabularies_and_sampling(demo_pairs):
 def test_decomposed_and_composed_text_get_the_same_ids():
     """Data is read as given (no NFC in the readers): SentencePiece's NFKC rule makes the ids equal."""
     pairs = [("café crème brûlée", "señor niño año")] * 50 + [("el café", "año nuevo")] * 50
-    tokenizer = train_tokenizer(TokenizerConfig(vocab_size=40, model_type="char"), pairs)
+    config = TokenizerConfig(vocab_size=40, model_type="bpe")  # one the config schema accepts
+    assert config.problems() == []
+    tokenizer = train_tokenizer(config, pairs)
     composed = ["café crème brûlée", "señor niño"]
     decomposed = [unicodedata.normalize("NFD", line) for line in composed]
     assert decomposed != composed
