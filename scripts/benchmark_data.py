@@ -20,7 +20,7 @@ import yaml
 
 
 def write_corpus(directory: Path, pairs: int) -> None:
-    from seq2seq.demo_data import make_demo_corpus
+    from seq2seq.data.demo_data import make_demo_corpus
 
     corpus = make_demo_corpus(seed=11, sizes={"train": pairs, "valid": 500})
     for split, rows in corpus.items():
@@ -34,8 +34,8 @@ def prepare_and_measure(config_path: str, queue) -> None:
     from seq2seq.config import load_config
     from seq2seq.data.batching import epoch_batches, make_batch
     from seq2seq.data.prepare import encode_training_split, stream_split
-    from seq2seq.run_log import high_water_rss_mb, reset_high_water_rss
-    from seq2seq.tokenizer import load_or_train_tokenizer
+    from seq2seq.data.tokenizer import load_or_train_tokenizer
+    from seq2seq.training.run_log import high_water_rss_mb, reset_high_water_rss
 
     config = load_config(config_path)
     work = Path(config_path).parent

@@ -33,10 +33,10 @@ from seq2seq.checkpoint import load_for_inference
 from seq2seq.config import DecodeConfig
 from seq2seq.data.batching import pad
 from seq2seq.data.sources import read_lines
-from seq2seq.interop import to_torch_transformer
-from seq2seq.search import PrefixCache, search
-from seq2seq.translate import translate_lines
-from seq2seq.translator import Translator
+from seq2seq.inference.pytorch_engine import translate_lines
+from seq2seq.inference.search import PrefixCache, search
+from seq2seq.inference.translator import Translator
+from seq2seq.model.interop import to_torch_transformer
 
 
 class RecomputingDecoder:
@@ -175,7 +175,7 @@ def main() -> int:
 
 def shipped_sides(args, lines: list[str], references: list[str]) -> None:
     """Our PyTorch decoder against its CTranslate2 exports (float32, int8), each in a fresh process."""
-    from seq2seq.export import export_checkpoint
+    from seq2seq.deploy.export import export_checkpoint
 
     context = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory() as work:
@@ -212,8 +212,8 @@ def shipped_sides(args, lines: list[str], references: list[str]) -> None:
 
 
 def _decode_side(model: Path, lines: list[str], references: list[str], args, queue) -> None:
-    from seq2seq.scoring import score
-    from seq2seq.tokenizer import Tokenizer
+    from seq2seq.data.tokenizer import Tokenizer
+    from seq2seq.evaluation.scoring import score
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -15,7 +15,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from seq2seq.loss import label_smoothed_cross_entropy
+from seq2seq.training.loss import label_smoothed_cross_entropy
 
 SMOOTHING = 0.1
 

@@ -13,7 +13,7 @@ Batches are built inside the timed loop, as in a real run, epoch after epoch for
 asked: with --steps 2000 it is a long run that shows steady state. Every --memory-every steps the
 script records memory now and at its highest since the last record (the window peak: on CPU our
 sides return the heap's free pages to the kernel every 10 steps, as the trainer does
-(seq2seq/host_memory.py), so memory now is a sawtooth and the window's top, read from the kernel's
+(seq2seq/training/host_memory.py), so memory now is a sawtooth and the window's top, read from the kernel's
 high-water mark, is what shows growth). It prints the records and how much the window peak grew after the first tenth of
 the run, and --plot writes them as a PNG. The side "ours bf16 untrimmed" leaves the heap release
 out, to measure what it costs and saves.
@@ -46,14 +46,14 @@ from seq2seq.config import Config, load_config
 from seq2seq.data.batching import epoch_batches, make_batch, padding_fraction
 from seq2seq.data.encoded import EncodedCorpus
 from seq2seq.data.prepare import encode_training_split, stream_split
+from seq2seq.data.special_tokens import PAD_ID
+from seq2seq.data.tokenizer import Tokenizer, load_or_train_tokenizer
 from seq2seq.errors import UserInputError
-from seq2seq.host_memory import HEAP_TRIM_EVERY, release_free_heap
-from seq2seq.model import build_model, sinusoidal_positions
-from seq2seq.precision import cpu_has_native_bf16
-from seq2seq.run_log import PeakRss, current_rss_mb, peak_memory_mb
-from seq2seq.special_tokens import PAD_ID
-from seq2seq.tokenizer import Tokenizer, load_or_train_tokenizer
-from seq2seq.train_step import build_optimizer, build_scaler, compile_for_training, train_step
+from seq2seq.model.transformer import build_model, sinusoidal_positions
+from seq2seq.training.host_memory import HEAP_TRIM_EVERY, release_free_heap
+from seq2seq.training.precision import cpu_has_native_bf16
+from seq2seq.training.run_log import PeakRss, current_rss_mb, peak_memory_mb
+from seq2seq.training.train_step import build_optimizer, build_scaler, compile_for_training, train_step
 
 COMMON = ["model.norm=post", "model.dropout=0.1", "model.share_embeddings=true"]
 MODELS = {  # the CPU model, and Transformer-base of "Attention Is All You Need"

@@ -22,10 +22,10 @@ from pathlib import Path
 
 from seq2seq.config import Config, load_config
 from seq2seq.data.prepare import read_split
-from seq2seq.evaluate import translate_and_score
-from seq2seq.scoring import Scores
-from seq2seq.train import Trainer
-from seq2seq.translator import Translator
+from seq2seq.evaluation.evaluate import translate_and_score
+from seq2seq.evaluation.scoring import Scores
+from seq2seq.inference.translator import Translator
+from seq2seq.training.trainer import Trainer
 
 PRECISIONS = ("fp32", "bf16")
 

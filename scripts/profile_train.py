@@ -26,8 +26,8 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from seq2seq.data.batching import make_batch
-from seq2seq.model import build_model
-from seq2seq.train_step import build_optimizer, build_scaler, compile_for_training, train_step
+from seq2seq.model.transformer import build_model
+from seq2seq.training.train_step import build_optimizer, build_scaler, compile_for_training, train_step
 
 LAUNCH_CALLS = {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx"}
 # What a kernel does, read off its name (first match wins): the device time of a step by kind of work.

@@ -9,7 +9,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str):
     if name == "Translator":
-        from seq2seq.translator import Translator
+        from seq2seq.inference.translator import Translator
 
         return Translator
     raise AttributeError(f"module 'seq2seq' has no attribute {name!r}")

@@ -19,10 +19,10 @@ import torch
 from torch import Tensor
 
 from seq2seq.config import Config, config_differences, config_from_dict, is_run_defining
+from seq2seq.data.tokenizer import Tokenizer
 from seq2seq.errors import UserInputError
 from seq2seq.files import atomic_write, check_writable
-from seq2seq.model import Seq2SeqTransformer, build_model
-from seq2seq.tokenizer import Tokenizer
+from seq2seq.model.transformer import Seq2SeqTransformer, build_model
 
 FORMAT_VERSION = 1
 LAST = "last.pt"

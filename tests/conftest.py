@@ -8,7 +8,7 @@ import pytest
 import torch
 import yaml
 
-from seq2seq.demo_data import make_demo_corpus
+from seq2seq.data.demo_data import make_demo_corpus
 
 
 def write_pairs(directory: Path, split: str, pairs: list[tuple[str, str]]) -> tuple[Path, Path]:
@@ -56,7 +56,7 @@ def tiny_config_dict(data_dir: Path, **train_overrides) -> dict:
 def make_trainer(tmp_path: Path, data: Path, name: str = "run", **train):
     """A Trainer of the tiny config on `data`, writing to tmp_path/name."""
     from seq2seq.config import config_from_dict
-    from seq2seq.train import Trainer
+    from seq2seq.training.trainer import Trainer
 
     raw = tiny_config_dict(data, **train)
     return Trainer(config_from_dict(raw, origin="test"), tmp_path / name, show_progress=False)

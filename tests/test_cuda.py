@@ -8,10 +8,10 @@ import torch
 
 from seq2seq.config import ModelConfig, config_from_dict
 from seq2seq.data.batching import epoch_batches, make_batch
-from seq2seq.model import Seq2SeqTransformer
-from seq2seq.special_tokens import padding_mask
-from seq2seq.train import Trainer
-from seq2seq.train_step import train_step
+from seq2seq.data.special_tokens import padding_mask
+from seq2seq.model.transformer import Seq2SeqTransformer
+from seq2seq.training.train_step import train_step
+from seq2seq.training.trainer import Trainer
 
 from .conftest import tiny_config_dict
 
@@ -37,7 +37,7 @@ def test_mixed_precision_trains_on_cuda(tmp_path, tiny_data, precision):
 
 
 def test_fp16_overflow_is_skipped_not_applied(tmp_path, tiny_data, monkeypatch):
-    import seq2seq.train_step as step_module
+    import seq2seq.training.train_step as step_module
 
     trainer = cuda_trainer(tmp_path, tiny_data, "fp16", max_steps=1, valid_every=100)
     before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}

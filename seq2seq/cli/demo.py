@@ -11,14 +11,14 @@ from pathlib import Path
 import yaml
 
 from seq2seq.config import load_config
+from seq2seq.data.demo_data import write_demo_corpus
 from seq2seq.data.prepare import read_split
-from seq2seq.demo_data import write_demo_corpus
 from seq2seq.errors import UserInputError
-from seq2seq.evaluate import translate_and_score
-from seq2seq.plots import plot_training_curves
-from seq2seq.scoring import Scores
-from seq2seq.train import Trainer
-from seq2seq.translator import Translator
+from seq2seq.evaluation.evaluate import translate_and_score
+from seq2seq.evaluation.scoring import Scores
+from seq2seq.inference.translator import Translator
+from seq2seq.training.plots import plot_training_curves
+from seq2seq.training.trainer import Trainer
 
 DEMO_DATA_DIR = Path("data/demo")  # demo.yaml reads its files from here (relative to where the demo runs)
 DEMO_CONFIG = Path(__file__).with_name("demo.yaml")  # shipped in the package: the demo runs from any directory
@@ -87,7 +87,7 @@ def _ship(checkpoint: Path, output: Path, test, scores: Scores, echo: Callable[[
     if importlib.util.find_spec("ctranslate2") is None:
         echo("(to also ship the model: pip install -e '.[export]', then seq2seq export)")
         return
-    from seq2seq.export import export_checkpoint
+    from seq2seq.deploy.export import export_checkpoint
 
     report = export_checkpoint(checkpoint, output, quantization="int8")
     exported = translate_and_score(Translator.load(output), test.src, test.tgt).scores

@@ -14,7 +14,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from seq2seq.cli_boundary import DEBUG_VARIABLE, LOG_LEVEL_VARIABLE, LOG_LEVELS, OneLineUsageErrors, user_errors
+from seq2seq.cli.boundary import DEBUG_VARIABLE, LOG_LEVEL_VARIABLE, LOG_LEVELS, OneLineUsageErrors, user_errors
 from seq2seq.errors import UserInputError
 
 app = typer.Typer(
@@ -82,7 +82,7 @@ def tokenizer_train(config: ConfigArg, overrides: SetOption = None, run_dir: Run
     Example: seq2seq tokenizer train configs/demo.yaml
     """
     from seq2seq.config import load_config
-    from seq2seq.run_dir import RunDir, train_run_tokenizer
+    from seq2seq.training.run_dir import RunDir, train_run_tokenizer
 
     run = RunDir(_run_dir(config, run_dir))
     tokenizer = train_run_tokenizer(load_config(config, overrides or []), run)
@@ -118,8 +118,8 @@ def train(
       seq2seq train configs/wmt14_en_de_base.yaml --nproc 8      (= torchrun --nproc_per_node 8 -m seq2seq train ...)
     """
     from seq2seq.config import load_config
-    from seq2seq.distributed import shutdown_distributed
-    from seq2seq.train import Trainer
+    from seq2seq.training.distributed import shutdown_distributed
+    from seq2seq.training.trainer import Trainer
 
     cfg = load_config(config, overrides or [])  # validated once here, before any process is launched
     directory = resume if resume is not None else _run_dir(config, run_dir)
@@ -187,7 +187,7 @@ def translate(
       seq2seq translate -c runs/demo/checkpoints/last.pt -i test.en -o test.out --beam 5
       echo "the cat sleeps" | seq2seq translate -c runs/demo/checkpoints/best.pt
     """
-    from seq2seq.translator import translate_file
+    from seq2seq.inference.translator import translate_file
 
     written = translate_file(checkpoint, source=input, output=output, decode_overrides=_decode_overrides(
         overrides, beam, nbest), stream=stream, attention_plot=attention_plot)  # fmt: skip
@@ -217,7 +217,7 @@ JsonOption = Annotated[
 
 
 def _score_options(metrics: str, tokenize: str | None, lowercase: bool):
-    from seq2seq.scoring import ScoreOptions
+    from seq2seq.evaluation.scoring import ScoreOptions
 
     names = tuple(name.strip().lower() for name in metrics.split(",") if name.strip())
     return ScoreOptions(metrics=names, tokenize=tokenize, lowercase=lowercase)
@@ -244,7 +244,7 @@ def evaluate(
       seq2seq eval -c runs/demo/checkpoints/best.pt --src data/demo/test.en --ref data/demo/test.xx
       seq2seq eval -c models/bible-int8 --src test.en --ref test.es --ref test2.es --metrics bleu,chrf++,ter
     """
-    from seq2seq.evaluate import evaluate_files
+    from seq2seq.evaluation.evaluate import evaluate_files
 
     options = _score_options(metrics, tokenize, lowercase)
     evaluation = evaluate_files(checkpoint, src=src, refs=refs, decode_overrides=_decode_overrides(None, beam, None),
@@ -266,7 +266,7 @@ def score(
 
     Example: seq2seq score --hyp test.out --ref data/bible/test.es --metrics bleu,chrf,ter
     """
-    from seq2seq.evaluate import score_files
+    from seq2seq.evaluation.evaluate import score_files
 
     typer.echo(
         score_files(hyp, refs, options=_score_options(metrics, tokenize, lowercase), json_path=json_path).describe()
@@ -294,7 +294,7 @@ def demo(
 
     Example: seq2seq demo --set train.max_steps=500
     """
-    from seq2seq.demo import run_demo
+    from seq2seq.cli.demo import run_demo
 
     run_demo(config, overrides or [], run_dir, show_progress=not quiet, echo=typer.echo)
 
@@ -331,7 +331,7 @@ def export(
       seq2seq export runs/demo/checkpoints/best.pt -o models/demo-ct2
       seq2seq export runs/bible/checkpoints/best.pt -o models/bible-int8 --quantization int8
     """
-    from seq2seq.export import ExportFailed, export_checkpoint
+    from seq2seq.deploy.export import ExportFailed, export_checkpoint
 
     if format != "ctranslate2":
         raise UserInputError(f"--format {format}: expected ctranslate2 (the only format for now)")
@@ -372,8 +372,8 @@ def serve(
       seq2seq serve models/bible-int8 --port 8000
       curl -s localhost:8000/translate -H 'content-type: application/json' -d '{"lines": ["the cat sleeps"], "beam": 5}'
     """
-    from seq2seq.serve import Limits
-    from seq2seq.serve import serve as serve_model
+    from seq2seq.deploy.serve import Limits
+    from seq2seq.deploy.serve import serve as serve_model
 
     if not model.exists():
         raise UserInputError(f"{model}: no such checkpoint or exported model")
@@ -406,7 +406,7 @@ def plot(run_dir: Annotated[Path, typer.Argument(help="A run directory with metr
 
     Example: seq2seq plot runs/demo
     """
-    from seq2seq.plots import plot_training_curves
+    from seq2seq.training.plots import plot_training_curves
 
     for path in plot_training_curves(run_dir):
         typer.echo(str(path))

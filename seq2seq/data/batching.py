@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from seq2seq.data.encoded import EncodedCorpus
-from seq2seq.special_tokens import BOS_ID, EOS_ID, PAD_ID
+from seq2seq.data.special_tokens import BOS_ID, EOS_ID, PAD_ID
 
 # The output layer projects the real target positions of a batch, a count that differs in nearly
 # every batch. On CPU, oneDNN compiles and caches a bf16 matmul kernel per shape (about 2 MiB each,

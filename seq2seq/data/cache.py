@@ -19,8 +19,8 @@ from pathlib import Path
 from seq2seq.config import CorpusConfig
 from seq2seq.data.encoded import EncodedCorpus
 from seq2seq.data.sources import corpus_identity
+from seq2seq.data.tokenizer import Tokenizer
 from seq2seq.files import remove_stale_temporaries, temporary_path
-from seq2seq.tokenizer import Tokenizer
 
 CACHE_VERSION = 3  # 2: raw .bin id files, appended chunk by chunk; 3: content identity of dataset folders
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from seq2seq.data.sources import chunked
-from seq2seq.tokenizer import Tokenizer
+from seq2seq.data.tokenizer import Tokenizer
 
 ENCODE_CHUNK = 50_000  # sentences per tokenizer call: bounds the temporary Python lists
 ID_DTYPE = np.dtype("<i4")

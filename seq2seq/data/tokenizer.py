@@ -20,9 +20,9 @@ from typing import TypeVar
 import sentencepiece as spm
 
 from seq2seq.config import TokenizerConfig
+from seq2seq.data.special_tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from seq2seq.errors import UserInputError
 from seq2seq.files import atomic_write, write_text_atomic
-from seq2seq.special_tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)

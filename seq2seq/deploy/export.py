@@ -31,11 +31,11 @@ from seq2seq.checkpoint import Checkpoint
 from seq2seq.data.prepare import read_split
 from seq2seq.data.sources import read_lines
 from seq2seq.errors import UserInputError
-from seq2seq.evaluate import translate_and_score
+from seq2seq.evaluation.evaluate import translate_and_score
+from seq2seq.evaluation.scoring import Scores
 from seq2seq.files import remove_stale_temporaries, temporary_path
-from seq2seq.model import sinusoidal_positions
-from seq2seq.scoring import Scores
-from seq2seq.translator import EXPORT_METADATA, Translator
+from seq2seq.inference.translator import EXPORT_METADATA, Translator
+from seq2seq.model.transformer import sinusoidal_positions
 
 QUANTIZATIONS = ("float32", "int8", "int8_float32", "int16", "float16", "bfloat16")
 ACTIVATIONS = {"relu": common_spec.Activation.RELU, "gelu": common_spec.Activation.GELU}

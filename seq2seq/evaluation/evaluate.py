@@ -15,9 +15,9 @@ from pathlib import Path
 from seq2seq.config import DecodeConfig
 from seq2seq.data.sources import read_lines
 from seq2seq.errors import UserInputError
+from seq2seq.evaluation.scoring import ScoreOptions, Scores, read_text_file, score
 from seq2seq.files import check_writable, write_text_atomic
-from seq2seq.scoring import ScoreOptions, Scores, read_text_file, score
-from seq2seq.translator import Translator
+from seq2seq.inference.translator import Translator
 
 
 @dataclass(frozen=True)

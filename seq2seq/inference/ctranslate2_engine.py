@@ -4,7 +4,7 @@ Both engines take 2 x beam candidates a step, end a hypothesis when EOS is among
 end a sentence when beam x patience hypotheses have ended or at its length limit a * source length
 + b (where its best `beam` candidates all end), and rank by log-probability / length^alpha: the
 settings map one to one onto CTranslate2's options, so the float32 parity gate checks the export,
-not two algorithms (tests/test_export.py: equal n-best lists under every setting). `gnmt`
+not two algorithms (tests/deploy/test_export.py: equal n-best lists under every setting). `gnmt`
 ((5 + len) / 6)^alpha is the exception: CTranslate2 has no such option, so its beam keeps the
 finished hypotheses that length^alpha ranks best and they are re-ranked here by gnmt.
 """
@@ -22,7 +22,7 @@ import sentencepiece as spm
 from seq2seq.config import DecodeConfig, config_from_dict
 from seq2seq.data.sources import normalize
 from seq2seq.errors import UserInputError
-from seq2seq.translator import EXPORT_METADATA, Translation, Translator, read_export_metadata
+from seq2seq.inference.translator import EXPORT_METADATA, Translation, Translator, read_export_metadata
 
 NEGLIGIBLE_EXPONENT = 1e-9  # length^1e-9 is 1 within 1e-8 relative: the order of raw log-probabilities
 

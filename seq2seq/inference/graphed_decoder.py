@@ -24,9 +24,9 @@ from collections import OrderedDict
 import torch
 from torch import Tensor
 
-from seq2seq.layers import Memory, Rows
-from seq2seq.model import Seq2SeqTransformer
-from seq2seq.special_tokens import BOS_ID
+from seq2seq.data.special_tokens import BOS_ID
+from seq2seq.model.layers import Memory, Rows
+from seq2seq.model.transformer import Seq2SeqTransformer
 
 LENGTH_STEP = 32  # buffers hold a multiple of this many positions; they double when a search outgrows them
 KEPT_GRAPHS = 4  # captured step graphs kept for reuse by later batches of the same shape

@@ -10,10 +10,10 @@ from tqdm import tqdm
 from seq2seq.config import DecodeConfig
 from seq2seq.data.batching import pad, token_batches
 from seq2seq.data.sources import normalize
-from seq2seq.graphed_decoder import GraphedDecoder, graphs_apply
-from seq2seq.search import search
-from seq2seq.tokenizer import Tokenizer
-from seq2seq.translator import Translation
+from seq2seq.data.tokenizer import Tokenizer
+from seq2seq.inference.graphed_decoder import GraphedDecoder, graphs_apply
+from seq2seq.inference.search import search
+from seq2seq.inference.translator import Translation
 
 
 def translate_lines(

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from seq2seq.config import DecodeConfig
-from seq2seq.special_tokens import BOS_ID, EOS_ID, PAD_ID, padding_mask
+from seq2seq.data.special_tokens import BOS_ID, EOS_ID, PAD_ID, padding_mask
 
 
 class SearchCache(Protocol):

@@ -68,7 +68,7 @@ class Translator:
             if not (path / EXPORT_METADATA).is_file():
                 raise UserInputError(f"{path}: not an exported model (no {EXPORT_METADATA}); expected a checkpoint "
                                      "file (.pt) or a directory written by `seq2seq export`")  # fmt: skip
-            from seq2seq.ctranslate2_engine import load_exported
+            from seq2seq.inference.ctranslate2_engine import load_exported
 
             return load_exported(path, device=device)
         import torch
@@ -81,7 +81,7 @@ class Translator:
     @classmethod
     def from_model(cls, model: Any, tokenizer: Any, decode: DecodeConfig, *, bundle: Any = None) -> Translator:
         """Our PyTorch model in memory (validation translates with the model being trained)."""
-        from seq2seq.translate import translate_lines
+        from seq2seq.inference.pytorch_engine import translate_lines
 
         def translate_with(lines: list[str], settings: DecodeConfig, progress: bool) -> list[Translation]:
             return translate_lines(model, tokenizer, lines, settings, progress=progress)
@@ -155,7 +155,7 @@ def translate_file(
     bar.close()
     if attention_plot is None or not first_chunk:
         return []
-    from seq2seq.plots import ATTENTION_PLOT_LINES, plot_attention  # matplotlib only when asked for
+    from seq2seq.training.plots import ATTENTION_PLOT_LINES, plot_attention  # matplotlib only when asked for
 
     return plot_attention(translator.bundle.model, translator.bundle.tokenizer, first_chunk[:ATTENTION_PLOT_LINES],
                           attention_plot, decode)  # fmt: skip

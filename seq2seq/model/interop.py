@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from seq2seq.layers import MultiHeadAttention
-from seq2seq.model import Seq2SeqTransformer
+from seq2seq.model.layers import MultiHeadAttention
+from seq2seq.model.transformer import Seq2SeqTransformer
 
 
 @torch.no_grad()

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from seq2seq.config import ModelConfig
-from seq2seq.dropout import Dropout, dropout
+from seq2seq.model.dropout import Dropout, dropout
 
 ROW_MULTIPLE = 64
 

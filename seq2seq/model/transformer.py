@@ -14,9 +14,9 @@ import torch
 from torch import Tensor, nn
 
 from seq2seq.config import ModelConfig
-from seq2seq.dropout import Dropout
-from seq2seq.layers import DecoderCache, DecoderLayer, EncoderLayer, Memory, Rows, row_multiple
-from seq2seq.special_tokens import PAD_ID, padding_mask
+from seq2seq.data.special_tokens import PAD_ID, padding_mask
+from seq2seq.model.dropout import Dropout
+from seq2seq.model.layers import DecoderCache, DecoderLayer, EncoderLayer, Memory, Rows, row_multiple
 
 
 def sinusoidal_positions(positions: Tensor, d_model: int) -> Tensor:

@@ -13,12 +13,12 @@ import torch  # noqa: E402
 
 from seq2seq.config import DecodeConfig  # noqa: E402
 from seq2seq.data.batching import pad  # noqa: E402
+from seq2seq.data.special_tokens import BOS_ID  # noqa: E402
+from seq2seq.data.tokenizer import Tokenizer  # noqa: E402
 from seq2seq.errors import UserInputError  # noqa: E402
 from seq2seq.files import atomic_write  # noqa: E402
-from seq2seq.run_log import MetricsLog  # noqa: E402
-from seq2seq.search import search  # noqa: E402
-from seq2seq.special_tokens import BOS_ID  # noqa: E402
-from seq2seq.tokenizer import Tokenizer  # noqa: E402
+from seq2seq.inference.search import search  # noqa: E402
+from seq2seq.training.run_log import MetricsLog  # noqa: E402
 
 ATTENTION_PLOT_PIECES = 100  # pieces of each side an attention plot shows at most
 ATTENTION_PLOT_LINES = 5  # `translate --attention-plot` draws the first lines only

@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from seq2seq.config import TrainConfig
 from seq2seq.data.batching import Batch
-from seq2seq.loss import label_smoothed_cross_entropy
+from seq2seq.training.loss import label_smoothed_cross_entropy
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -21,15 +21,15 @@ from tqdm import tqdm
 from seq2seq.checkpoint import BEST, LAST, Checkpoint, Progress, RngStates, save_numbered
 from seq2seq.config import Config
 from seq2seq.data.batching import epoch_batches, make_batch
-from seq2seq.distributed import setup_distributed
 from seq2seq.errors import UserInputError
-from seq2seq.host_memory import HEAP_TRIM_EVERY, release_free_heap
-from seq2seq.model import build_model
-from seq2seq.precision import choose_precision
-from seq2seq.run_dir import RunDir, check_resumable, prepare_run
-from seq2seq.run_log import MetricsLog, PeakRss, log_to_file, memory_figures
-from seq2seq.schedule import learning_rate
-from seq2seq.train_step import (
+from seq2seq.model.transformer import build_model
+from seq2seq.training.distributed import setup_distributed
+from seq2seq.training.host_memory import HEAP_TRIM_EVERY, release_free_heap
+from seq2seq.training.precision import choose_precision
+from seq2seq.training.run_dir import RunDir, check_resumable, prepare_run
+from seq2seq.training.run_log import MetricsLog, PeakRss, log_to_file, memory_figures
+from seq2seq.training.schedule import learning_rate
+from seq2seq.training.train_step import (
     StepResult,
     autocast,
     build_optimizer,
@@ -37,7 +37,7 @@ from seq2seq.train_step import (
     compile_for_training,
     train_step,
 )
-from seq2seq.validation import ValidationResult, validate
+from seq2seq.training.validation import ValidationResult, validate
 
 log = logging.getLogger(__name__)
 

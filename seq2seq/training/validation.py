@@ -12,11 +12,11 @@ import torch
 from seq2seq.config import DecodeConfig, TrainConfig
 from seq2seq.data.batching import epoch_batches, make_batch
 from seq2seq.data.prepare import TrainingData
-from seq2seq.evaluate import translate_and_score
-from seq2seq.loss import label_smoothed_cross_entropy
-from seq2seq.scoring import Scores
-from seq2seq.tokenizer import Tokenizer
-from seq2seq.translator import Translator
+from seq2seq.data.tokenizer import Tokenizer
+from seq2seq.evaluation.evaluate import translate_and_score
+from seq2seq.evaluation.scoring import Scores
+from seq2seq.inference.translator import Translator
+from seq2seq.training.loss import label_smoothed_cross_entropy
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,9 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from seq2seq.cli import app
+from seq2seq.cli.main import app
 
-from .conftest import tiny_config_dict
+from ..conftest import tiny_config_dict
 
 runner = CliRunner()
 
@@ -207,13 +207,13 @@ def test_bad_input_is_one_clear_line_and_exit_2(world: Paths, name: str):
 
 
 def test_a_bug_is_one_line_with_exit_1_and_debug_shows_the_traceback(world: Paths, monkeypatch):
-    import seq2seq.scoring
+    import seq2seq.evaluation.scoring
 
     def broken(*args, **kwargs):
         raise ZeroDivisionError("boom")
 
-    monkeypatch.setattr(seq2seq.scoring, "score", broken)
-    monkeypatch.setattr("seq2seq.evaluate.score", broken)
+    monkeypatch.setattr(seq2seq.evaluation.scoring, "score", broken)
+    monkeypatch.setattr("seq2seq.evaluation.evaluate.score", broken)
     args = ["score", "--hyp", str(world.data / "test.xx"), "--ref", str(world.data / "test.xx")]
     monkeypatch.setenv("SEQ2SEQ_DEBUG", "0")  # --debug below sets it; the monkeypatch restores it after the test
     result = runner.invoke(app, args)

@@ -11,9 +11,9 @@ import torch
 import yaml
 from typer.testing import CliRunner
 
-from seq2seq.cli import app
+from seq2seq.cli.main import app
 
-from .conftest import tiny_config_dict
+from ..conftest import tiny_config_dict
 
 runner = CliRunner()
 
@@ -54,9 +54,9 @@ def test_help_lists_every_command_with_examples():
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory):
     """tokenizer train + train on the tiny config, through the CLI."""
-    from seq2seq.demo_data import make_demo_corpus
+    from seq2seq.data.demo_data import make_demo_corpus
 
-    from .conftest import write_pairs
+    from ..conftest import write_pairs
 
     root = tmp_path_factory.mktemp("cli")
     data = root / "data"
@@ -84,7 +84,7 @@ def test_train_writes_the_run_directory(trained_run):
 
 
 def test_a_file_is_translated_chunk_by_chunk_in_order(trained_run, tmp_path, monkeypatch):
-    import seq2seq.translator as translator_module
+    import seq2seq.inference.translator as translator_module
 
     _, _, run_dir, data = trained_run
     checkpoint = run_dir / "checkpoints" / "last.pt"
@@ -265,7 +265,7 @@ def test_demo_refuses_a_run_directory_it_did_not_make(tmp_path, monkeypatch):
 
 
 def test_demo_replaces_only_its_own_runs(tmp_path):
-    from seq2seq.demo import DEMO_MARKER, _check_run_dir
+    from seq2seq.cli.demo import DEMO_MARKER, _check_run_dir
 
     assert _check_run_dir(tmp_path / "new") is False
     assert _check_run_dir(tmp_path) is False  # empty

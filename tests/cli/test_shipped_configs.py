@@ -9,7 +9,7 @@ import yaml
 
 from seq2seq.config import config_from_dict
 
-CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
+CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])

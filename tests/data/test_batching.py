@@ -6,7 +6,7 @@ import numpy as np
 
 from seq2seq.data.batching import POSITION_MULTIPLE, collate, epoch_batches, padding_fraction, token_batches
 from seq2seq.data.encoded import EncodedCorpus, RaggedIds
-from seq2seq.special_tokens import BOS_ID, EOS_ID, PAD_ID
+from seq2seq.data.special_tokens import BOS_ID, EOS_ID, PAD_ID
 
 
 def test_collate_builds_the_teacher_forcing_shift():

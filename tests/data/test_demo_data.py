@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from seq2seq.demo_data import make_demo_corpus, write_demo_corpus
+from seq2seq.data.demo_data import make_demo_corpus, write_demo_corpus
 
 SIZES = {"train": 3000, "valid": 200, "test": 200}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from seq2seq.data.encoded import EncodedCorpus, RaggedIds, length_filter, write_corpus
-from seq2seq.special_tokens import EOS_ID
+from seq2seq.data.special_tokens import EOS_ID
 
 
 def test_ragged_ids_round_trip_and_filter():

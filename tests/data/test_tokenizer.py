@@ -5,8 +5,8 @@ from __future__ import annotations
 import unicodedata
 
 from seq2seq.config import TokenizerConfig
-from seq2seq.special_tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
-from seq2seq.tokenizer import Tokenizer, train_tokenizer
+from seq2seq.data.special_tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from seq2seq.data.tokenizer import Tokenizer, train_tokenizer
 
 
 def test_joint_tokenizer_round_trip_and_special_ids(demo_pairs, tmp_path):

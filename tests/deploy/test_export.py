@@ -11,9 +11,9 @@ from typer.testing import CliRunner
 
 pytest.importorskip("ctranslate2", reason="optional extra: pip install -e '.[export]' (included in [dev])")
 
-from seq2seq import export as export_module  # noqa: E402
-from seq2seq.cli import app  # noqa: E402
-from seq2seq.translator import EXPORT_METADATA, Translator  # noqa: E402
+from seq2seq.cli.main import app  # noqa: E402
+from seq2seq.deploy import export as export_module  # noqa: E402
+from seq2seq.inference.translator import EXPORT_METADATA, Translator  # noqa: E402
 
 runner = CliRunner()
 

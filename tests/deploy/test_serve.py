@@ -17,7 +17,7 @@ import pytest
 httpx = pytest.importorskip("httpx", reason="optional extra: pip install -e '.[serve]' (included in [dev])")
 pytest.importorskip("fastapi", reason="optional extra: pip install -e '.[serve]' (included in [dev])")
 
-from seq2seq.translator import Translation, Translator  # noqa: E402
+from seq2seq.inference.translator import Translation, Translator  # noqa: E402
 
 
 def free_port() -> int:
@@ -179,7 +179,7 @@ def app_client(engine: StalledTranslator, **limits):
     from fastapi.testclient import TestClient
 
     from seq2seq.config import DecodeConfig
-    from seq2seq.serve import Limits, create_app
+    from seq2seq.deploy.serve import Limits, create_app
 
     translator = Translator(DecodeConfig(beam=2), engine, engine="stalled")
     return TestClient(create_app(translator, model_name="stalled", limits=Limits(**limits)))

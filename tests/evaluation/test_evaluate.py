@@ -7,9 +7,9 @@ import sacrebleu
 
 from seq2seq.config import DecodeConfig
 from seq2seq.errors import UserInputError
-from seq2seq.evaluate import translate_and_score
-from seq2seq.scoring import score
-from seq2seq.translator import Translator
+from seq2seq.evaluation.evaluate import translate_and_score
+from seq2seq.evaluation.scoring import score
+from seq2seq.inference.translator import Translator
 
 HYPOTHESES = ["the cat sat on the mat", "a dog barks loudly", "it rains"]
 REFERENCES = ["the cat sat on a mat", "the dog barks loudly", "it is raining"]

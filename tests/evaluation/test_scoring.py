@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from seq2seq.errors import UserInputError
-from seq2seq.scoring import ScoreOptions, read_text_file, score
+from seq2seq.evaluation.scoring import ScoreOptions, read_text_file, score
 
 HYPOTHESES = ["Él comió una manzana roja.", "El niño está en la escuela", "Ça va très bien, merci!", "it rains"]
 REFERENCES = ["Él comió la manzana roja.", "El niño está en la escuela.", "Ça va très bien, merci !", "it is raining"]

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from seq2seq.config import DecodeConfig, ModelConfig
-from seq2seq.graphed_decoder import LENGTH_STEP, GraphedDecoder, graphs_apply
-from seq2seq.model import Seq2SeqTransformer
-from seq2seq.search import search
-from seq2seq.special_tokens import EOS_ID, PAD_ID
+from seq2seq.data.special_tokens import EOS_ID, PAD_ID
+from seq2seq.inference.graphed_decoder import LENGTH_STEP, GraphedDecoder, graphs_apply
+from seq2seq.inference.search import search
+from seq2seq.model.transformer import Seq2SeqTransformer
 
 
 def eos_prone_model(device: str = "cpu") -> Seq2SeqTransformer:

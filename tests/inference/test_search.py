@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from seq2seq.config import DecodeConfig, ModelConfig
-from seq2seq.model import Seq2SeqTransformer
-from seq2seq.search import PrefixCache, beam_search, beam_step, greedy_search, length_normalized
-from seq2seq.special_tokens import BOS_ID, EOS_ID, PAD_ID
+from seq2seq.data.special_tokens import BOS_ID, EOS_ID, PAD_ID
+from seq2seq.inference.search import PrefixCache, beam_search, beam_step, greedy_search, length_normalized
+from seq2seq.model.transformer import Seq2SeqTransformer
 
 VOCAB = 7  # ids 0-3 are pad/unk/bos/eos; the search may emit unk (1), eos (3) and 4, 5, 6
 EMITTABLE = [1, 4, 5, 6]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from seq2seq.dropout import Dropout, drop_mask, dropout
+from seq2seq.model.dropout import Dropout, drop_mask, dropout
 
 COUNT = 1_000_000
 

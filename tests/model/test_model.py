@@ -10,10 +10,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from seq2seq.config import ModelConfig
-from seq2seq.interop import to_torch_transformer
-from seq2seq.layers import ROW_MULTIPLE, Memory, Rows, _cpu_bf16_attention
-from seq2seq.model import Seq2SeqTransformer, sinusoidal_positions
-from seq2seq.special_tokens import PAD_ID, padding_mask
+from seq2seq.data.special_tokens import PAD_ID, padding_mask
+from seq2seq.model.interop import to_torch_transformer
+from seq2seq.model.layers import ROW_MULTIPLE, Memory, Rows, _cpu_bf16_attention
+from seq2seq.model.transformer import Seq2SeqTransformer, sinusoidal_positions
 
 D_MODEL, HEADS, FFN, LAYERS, VOCAB = 32, 4, 64, 2, 50
 

@@ -13,10 +13,10 @@ import torch
 import yaml
 
 from seq2seq.checkpoint import Checkpoint
-from seq2seq.distributed import cuda_chosen
 from seq2seq.errors import UserInputError
+from seq2seq.training.distributed import cuda_chosen
 
-from .conftest import tiny_config_dict
+from ..conftest import tiny_config_dict
 
 pytestmark = pytest.mark.slow
 

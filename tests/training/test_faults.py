@@ -19,9 +19,9 @@ from typer.testing import CliRunner
 
 import seq2seq.checkpoint
 from seq2seq.checkpoint import Checkpoint, numbered_checkpoints
-from seq2seq.cli import app
+from seq2seq.cli.main import app
 
-from .conftest import tiny_config_dict
+from ..conftest import tiny_config_dict
 
 runner = CliRunner()
 
@@ -166,7 +166,7 @@ def test_every_writer_sweeps_what_a_killed_one_left(tmp_path, trained_checkpoint
     assert not stale_entry.exists() and (tmp_path / "cache" / "4567cdef" / "report.json").exists()
 
     pytest.importorskip("ctranslate2", reason="optional extra: pip install -e '.[export]' (included in [dev])")
-    from seq2seq.export import export_checkpoint
+    from seq2seq.deploy.export import export_checkpoint
 
     stale_staging = tmp_path / f".model.tmp-{dead}"
     stale_staging.mkdir()

@@ -9,14 +9,14 @@ import torch
 from seq2seq.config import ModelConfig, TokenizerConfig, TrainConfig
 from seq2seq.data.batching import collate, epoch_batches, make_batch
 from seq2seq.data.encoded import encode_pairs
-from seq2seq.layers import ROW_MULTIPLE
-from seq2seq.loss import label_smoothed_cross_entropy
-from seq2seq.model import build_model
-from seq2seq.precision import onednn_runs_bf16
-from seq2seq.run_log import PeakRss, current_rss_mb
-from seq2seq.special_tokens import PAD_ID, padding_mask
-from seq2seq.tokenizer import train_tokenizer
-from seq2seq.train_step import build_optimizer, build_scaler, train_step
+from seq2seq.data.special_tokens import PAD_ID, padding_mask
+from seq2seq.data.tokenizer import train_tokenizer
+from seq2seq.model.layers import ROW_MULTIPLE
+from seq2seq.model.transformer import build_model
+from seq2seq.training.loss import label_smoothed_cross_entropy
+from seq2seq.training.precision import onednn_runs_bf16
+from seq2seq.training.run_log import PeakRss, current_rss_mb
+from seq2seq.training.train_step import build_optimizer, build_scaler, train_step
 
 MODEL = ModelConfig(d_model=64, heads=4, encoder_layers=1, decoder_layers=1, ffn_dim=128)
 CPU = torch.device("cpu")
@@ -58,7 +58,7 @@ def test_bf16_training_memory_is_flat_once_the_batch_shapes_were_seen(demo_pairs
 
 def test_freed_heap_holes_go_back_to_the_kernel():
     """Blocks freed between long-lived ones stay resident under glibc until release_free_heap()."""
-    from seq2seq.host_memory import release_free_heap
+    from seq2seq.training.host_memory import release_free_heap
 
     held, transient = [], []
     for size in range(300):  # varying sizes below glibc's 32 MiB mmap ceiling, as activations are
@@ -111,7 +111,7 @@ def test_a_block_of_row_counts_compiles_one_set_of_kernels(multiple, compiles, m
     Padded, a block of row counts shares one kernel set; unpadded, the same batches create kernels,
     which shows that the count sees what it is meant to catch.
     """
-    monkeypatch.setattr("seq2seq.model.row_multiple", lambda device: multiple)
+    monkeypatch.setattr("seq2seq.model.transformer.row_multiple", lambda device: multiple)
     torch.manual_seed(0)
     model = build_model(MODEL, _Vocabulary())
     shapes = list(_shapes_of_one_row_block())
@@ -135,7 +135,7 @@ def test_padded_rows_change_no_output_and_no_gradient(beams, monkeypatch):
     tgt = torch.randint(4, 100, (3 * beams, 6))
 
     def run(multiple: int) -> tuple[torch.Tensor, ...]:
-        monkeypatch.setattr("seq2seq.model.row_multiple", lambda device: multiple)
+        monkeypatch.setattr("seq2seq.model.transformer.row_multiple", lambda device: multiple)
         model.zero_grad()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             src_mask = padding_mask(src)

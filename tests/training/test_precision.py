@@ -8,11 +8,11 @@ import logging
 import pytest
 import torch
 
-import seq2seq.precision as precision
+import seq2seq.training.precision as precision
 from seq2seq.checkpoint import Checkpoint
-from seq2seq.precision import MatmulRates, choose_precision, cpu_matmul_rates, onednn_runs_bf16
+from seq2seq.training.precision import MatmulRates, choose_precision, cpu_matmul_rates, onednn_runs_bf16
 
-from .conftest import make_trainer
+from ..conftest import make_trainer
 
 CPU = torch.device("cpu")
 
@@ -40,7 +40,7 @@ def test_auto_keeps_fp32_where_onednn_emulates_bf16_slower_than_fp32(monkeypatch
 
 def test_explicit_bf16_on_an_emulating_cpu_is_kept_with_one_warning(monkeypatch, caplog):
     pretend_cpu(monkeypatch, onednn_bf16=False, bf16=1.0)
-    with caplog.at_level(logging.WARNING, logger="seq2seq.precision"):
+    with caplog.at_level(logging.WARNING, logger="seq2seq.training.precision"):
         choice = choose_precision("bf16", CPU)
     assert choice.precision == "bf16"
     assert [r.getMessage() for r in caplog.records] == [
@@ -70,7 +70,7 @@ def test_the_real_probe_on_this_cpu_decides_by_its_own_measurements():
 def test_a_run_logs_and_records_the_precision_it_chose(tmp_path, tiny_data, monkeypatch, caplog):
     pretend_cpu(monkeypatch, onednn_bf16=False, bf16=1.0)
     trainer = make_trainer(tmp_path, tiny_data, precision="auto", max_steps=2, save_every=2, valid_every=100)
-    with caplog.at_level(logging.INFO, logger="seq2seq.train"):
+    with caplog.at_level(logging.INFO, logger="seq2seq.training.trainer"):
         result = trainer.run()
     assert trainer.config.train.precision == "fp32"
     assert Checkpoint.load(result.last_checkpoint).config.train.precision == "fp32"
@@ -78,7 +78,7 @@ def test_a_run_logs_and_records_the_precision_it_chose(tmp_path, tiny_data, monk
 
 
 def test_a_train_step_refuses_an_unresolved_auto():
-    from seq2seq.train_step import autocast
+    from seq2seq.training.train_step import autocast
 
     with pytest.raises(ValueError, match="resolve 'auto' first"):
         autocast(CPU, "auto")

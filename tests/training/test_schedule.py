@@ -7,7 +7,7 @@ import math
 import pytest
 
 from seq2seq.config import TrainConfig
-from seq2seq.schedule import learning_rate
+from seq2seq.training.schedule import learning_rate
 
 
 def lr(schedule: str, step: int, **overrides) -> float:

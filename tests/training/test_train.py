@@ -17,9 +17,9 @@ import yaml
 from seq2seq.checkpoint import Checkpoint
 from seq2seq.config import config_from_dict
 from seq2seq.errors import UserInputError
-from seq2seq.train import Trainer
+from seq2seq.training.trainer import Trainer
 
-from .conftest import make_trainer, tiny_config_dict
+from ..conftest import make_trainer, tiny_config_dict
 
 PINNED_WITH_TORCH = "2.13.0"  # the Makefile's torch, on CPU
 
@@ -129,8 +129,8 @@ def test_existing_run_directory_is_not_overwritten(tmp_path, tiny_data):
 
 
 def test_non_finite_steps_are_skipped_and_too_many_stop_with_a_message(tmp_path, tiny_data, monkeypatch):
-    import seq2seq.train as train_module
-    import seq2seq.train_step as step_module
+    import seq2seq.training.train_step as step_module
+    import seq2seq.training.trainer as train_module
 
     trainer = make_trainer(tmp_path, tiny_data, max_steps=100, log_every=5, valid_every=1000)
     before = {name: p.clone() for name, p in trainer.model.named_parameters()}
@@ -144,7 +144,7 @@ def test_non_finite_steps_are_skipped_and_too_many_stop_with_a_message(tmp_path,
 
 
 def test_skipped_update_counters_track_runs_across_reads():
-    from seq2seq.train import SkippedUpdates
+    from seq2seq.training.trainer import SkippedUpdates
 
     counters = SkippedUpdates(torch.device("cpu"))
     for flag in (1, 1, 0, 1, 1):

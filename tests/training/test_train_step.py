@@ -8,9 +8,9 @@ import torch
 from seq2seq.config import ModelConfig, TokenizerConfig, TrainConfig
 from seq2seq.data.batching import epoch_batches, make_batch
 from seq2seq.data.encoded import encode_pairs
-from seq2seq.model import build_model
-from seq2seq.tokenizer import train_tokenizer
-from seq2seq.train_step import build_optimizer, build_scaler, train_step
+from seq2seq.data.tokenizer import train_tokenizer
+from seq2seq.model.transformer import build_model
+from seq2seq.training.train_step import build_optimizer, build_scaler, train_step
 
 MODEL = ModelConfig(d_model=96, heads=4, encoder_layers=2, decoder_layers=2, ffn_dim=192, dropout=0.0)
 CPU = torch.device("cpu")
@@ -44,7 +44,7 @@ def test_gradient_accumulation_equals_one_full_batch(tokenizer_and_corpus):
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_a_non_finite_update_is_reported_and_never_applied(tokenizer_and_corpus, monkeypatch, precision):
-    import seq2seq.train_step as step_module
+    import seq2seq.training.train_step as step_module
 
     tokenizer, corpus = tokenizer_and_corpus
     model = build_model(MODEL, tokenizer)

@@ -1,0 +1,1 @@
+"""Evaluation: scores exactly as sacrebleu computes them, and translate-then-score."""
