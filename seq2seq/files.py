@@ -84,3 +84,9 @@ def atomic_write(path: str | Path) -> Iterator[BinaryIO]:
 def write_text_atomic(path: str | Path, text: str) -> None:
     with atomic_write(path) as handle:
         handle.write(text.encode("utf-8"))
+
+
+def save_png(figure, path: str | Path) -> None:
+    """A matplotlib figure as a PNG, written atomically like every file seq2seq writes."""
+    with atomic_write(path) as handle:
+        figure.savefig(handle, format="png", dpi=110)

@@ -34,7 +34,8 @@ from seq2seq.errors import UserInputError
 from seq2seq.evaluation.evaluate import translate_and_score
 from seq2seq.evaluation.scoring import Scores
 from seq2seq.files import remove_stale_temporaries, temporary_path
-from seq2seq.inference.translator import EXPORT_METADATA, Translator
+from seq2seq.inference.engine import EXPORT_METADATA
+from seq2seq.inference.translator import Translator
 from seq2seq.model.transformer import sinusoidal_positions
 
 QUANTIZATIONS = ("float32", "int8", "int8_float32", "int16", "float16", "bfloat16")

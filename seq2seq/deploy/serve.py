@@ -35,7 +35,8 @@ from fastapi.responses import JSONResponse
 
 from seq2seq.config import DecodeConfig
 from seq2seq.errors import UserInputError
-from seq2seq.inference.translator import Translation, Translator
+from seq2seq.inference.engine import Translation
+from seq2seq.inference.translator import Translator
 
 # The decode fields a request may set, and the JSON type each must have: a number is a number, never
 # a string that parses as one.

@@ -22,38 +22,48 @@ import sentencepiece as spm
 from seq2seq.config import DecodeConfig, config_from_dict
 from seq2seq.data.sources import normalize
 from seq2seq.errors import UserInputError
-from seq2seq.inference.translator import EXPORT_METADATA, Translation, Translator, read_export_metadata
+from seq2seq.inference.engine import EXPORT_METADATA, Engine, Translation, read_export_metadata
 
 NEGLIGIBLE_EXPONENT = 1e-9  # length^1e-9 is 1 within 1e-8 relative: the order of raw log-probabilities
 
 
-def load_exported(directory: Path, *, device: str | None = None) -> Translator:
+def load_exported(directory: Path, *, device: str | None = None) -> tuple[DecodeConfig, Engine]:
+    """The exported model's decode defaults and an engine that translates with it."""
     metadata = read_export_metadata(directory)
     missing = [key for key in ("config", "tokenizer") if key not in metadata]
     if missing:
         raise UserInputError(f"{directory / EXPORT_METADATA}: lacks {', '.join(missing)}; re-export the checkpoint")
     config = config_from_dict(metadata["config"], origin=f"{directory} (stored config)")
     try:
-        engine = ctranslate2.Translator(str(directory), device=device or "cpu", **_threads(device or "cpu"))
+        runtime = ctranslate2.Translator(str(directory), device=device or "cpu", **_threads(device or "cpu"))
         models = metadata["tokenizer"]  # {"src": file, "tgt": file}
         src = spm.SentencePieceProcessor(model_file=str(directory / models["src"]))
         tgt = spm.SentencePieceProcessor(model_file=str(directory / models["tgt"]))
     except (RuntimeError, OSError, KeyError, TypeError) as error:
         raise UserInputError(f"{directory}: not a loadable exported model ({type(error).__name__}: {error})") from None
+    return config.decode, CTranslate2Engine(runtime, src, tgt)
 
-    def translate_with(lines: list[str], decode: DecodeConfig, progress: bool) -> list[Translation]:
+
+class CTranslate2Engine:
+    """engine.Engine over an exported model: CTranslate2 with the model's SentencePiece models."""
+
+    name = "ctranslate2"
+
+    def __init__(self, runtime: ctranslate2.Translator, src: spm.SentencePieceProcessor,
+                 tgt: spm.SentencePieceProcessor) -> None:  # fmt: skip
+        self.runtime, self.src, self.tgt = runtime, src, tgt
+
+    def translate(self, lines: list[str], decode: DecodeConfig, progress: bool) -> list[Translation]:
         texts = [normalize(line) for line in lines]
         rows = [index for index, text in enumerate(texts) if text]  # an empty line stays empty
-        pieces = src.encode([texts[index] for index in rows], out_type=str)
+        pieces = self.src.encode([texts[index] for index in rows], out_type=str)
         limits = [_length_limit(len(sentence) + 1, decode) for sentence in pieces]  # + the EOS CTranslate2 adds
-        outputs = _translate(engine, pieces, limits, decode)
+        outputs = _translate(self.runtime, pieces, limits, decode)
         results = [Translation([]) for _ in lines]
         for position, output in enumerate(outputs):
-            nbest = [(tgt.decode(tokens), score) for tokens, score in zip(output.hypotheses, output.scores)]
+            nbest = [(self.tgt.decode(tokens), score) for tokens, score in zip(output.hypotheses, output.scores)]
             results[rows[position]] = Translation(nbest)
         return results
-
-    return Translator(config.decode, translate_with, engine="ctranslate2")
 
 
 def _translate(

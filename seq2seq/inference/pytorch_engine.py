@@ -1,5 +1,5 @@
-"""Translate lines of text with our PyTorch model: encode, sort into token-budgeted batches, search,
-detokenize, restore order. (translator.py puts an engine-independent API on top.)"""
+"""The PyTorch engine: our model and search translate lines of text (encode, sort into token-budgeted
+batches, search, detokenize, restore order). translator.py puts the engine-independent API on top."""
 
 from __future__ import annotations
 
@@ -11,9 +11,21 @@ from seq2seq.config import DecodeConfig
 from seq2seq.data.batching import pad, token_batches
 from seq2seq.data.sources import normalize
 from seq2seq.data.tokenizer import Tokenizer
+from seq2seq.inference.engine import Translation
 from seq2seq.inference.graphed_decoder import GraphedDecoder, graphs_apply
 from seq2seq.inference.search import search
-from seq2seq.inference.translator import Translation
+
+
+class PyTorchEngine:
+    """engine.Engine over a model in memory (a loaded checkpoint, or the model being trained)."""
+
+    name = "pytorch"
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Tokenizer) -> None:
+        self.model, self.tokenizer = model, tokenizer
+
+    def translate(self, lines: list[str], decode: DecodeConfig, progress: bool) -> list[Translation]:
+        return translate_lines(self.model, self.tokenizer, lines, decode, progress=progress)
 
 
 def translate_lines(

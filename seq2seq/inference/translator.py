@@ -16,10 +16,8 @@ from __future__ import annotations
 import contextlib
 import io
 import itertools
-import json
 import sys
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -29,36 +27,25 @@ from seq2seq.config import DecodeConfig, decode_config_from, decode_config_with
 from seq2seq.data.sources import chunked, decode_lines, read_lines
 from seq2seq.errors import UserInputError
 from seq2seq.files import atomic_write, check_writable
-
-EXPORT_METADATA = "seq2seq_export.json"  # marks a directory written by `seq2seq export`
+from seq2seq.inference.engine import EXPORT_METADATA, Engine, Translation
 
 # A file is read, translated and written this many lines at a time, so memory stays flat however
 # long it is; within a chunk, lines are sorted by length into batches.
 FILE_CHUNK_LINES = 10_000
 
 
-@dataclass(frozen=True)
-class Translation:
-    """The n best outputs of one input line, best first, as (text, score) pairs."""
+class Translator:
+    """A model ready to translate: its decode defaults and the engine that translates lines with settings."""
 
-    nbest: list[tuple[str, float]]
+    def __init__(self, decode: DecodeConfig, engine: Engine, *, bundle: Any = None):
+        self.decode = decode
+        self.bundle = bundle  # PyTorch only: the model and tokenizer (attention plots need them)
+        self._engine = engine
 
     @property
-    def text(self) -> str:
-        return self.nbest[0][0] if self.nbest else ""
-
-
-TranslateFunction = Callable[[list[str], DecodeConfig, bool], list[Translation]]  # (lines, settings, progress)
-
-
-class Translator:
-    """A model ready to translate: its decode defaults and an engine that translates lines with settings."""
-
-    def __init__(self, decode: DecodeConfig, translate_with: TranslateFunction, *, engine: str, bundle: Any = None):
-        self.decode = decode
-        self.engine = engine  # "pytorch" or "ctranslate2"
-        self.bundle = bundle  # PyTorch only: the model and tokenizer (attention plots need them)
-        self._translate_with = translate_with
+    def engine(self) -> str:
+        """Which engine translates: "pytorch" or "ctranslate2"."""
+        return self._engine.name
 
     @classmethod
     def load(cls, path: str | Path, *, device: str | None = None) -> Translator:
@@ -70,7 +57,8 @@ class Translator:
                                      "file (.pt) or a directory written by `seq2seq export`")  # fmt: skip
             from seq2seq.inference.ctranslate2_engine import load_exported
 
-            return load_exported(path, device=device)
+            decode, engine = load_exported(path, device=device)
+            return cls(decode, engine)
         import torch
 
         from seq2seq.checkpoint import load_for_inference
@@ -81,12 +69,9 @@ class Translator:
     @classmethod
     def from_model(cls, model: Any, tokenizer: Any, decode: DecodeConfig, *, bundle: Any = None) -> Translator:
         """Our PyTorch model in memory (validation translates with the model being trained)."""
-        from seq2seq.inference.pytorch_engine import translate_lines
+        from seq2seq.inference.pytorch_engine import PyTorchEngine
 
-        def translate_with(lines: list[str], settings: DecodeConfig, progress: bool) -> list[Translation]:
-            return translate_lines(model, tokenizer, lines, settings, progress=progress)
-
-        return cls(decode, translate_with, engine="pytorch", bundle=bundle)
+        return cls(decode, PyTorchEngine(model, tokenizer), bundle=bundle)
 
     def settings(self, overrides: Iterable[str] = (), **options: Any) -> DecodeConfig:
         """The decode defaults with `decode.KEY=VALUE` overrides, then typed keyword options (beam=5, nbest=2, ...)."""
@@ -104,14 +89,7 @@ class Translator:
 
     def translate_with(self, lines: list[str], decode: DecodeConfig, *, progress: bool = False) -> list[Translation]:
         """Translate with a complete decode config (overrides already applied)."""
-        return self._translate_with(lines, decode, progress)
-
-
-def read_export_metadata(directory: Path) -> dict:
-    try:
-        return json.loads((directory / EXPORT_METADATA).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise UserInputError(f"{directory / EXPORT_METADATA}: unreadable export metadata ({exc})") from None
+        return self._engine.translate(lines, decode, progress)
 
 
 def translate_file(
@@ -155,7 +133,7 @@ def translate_file(
     bar.close()
     if attention_plot is None or not first_chunk:
         return []
-    from seq2seq.training.plots import ATTENTION_PLOT_LINES, plot_attention  # matplotlib only when asked for
+    from seq2seq.inference.attention_plot import ATTENTION_PLOT_LINES, plot_attention  # matplotlib when asked
 
     return plot_attention(translator.bundle.model, translator.bundle.tokenizer, first_chunk[:ATTENTION_PLOT_LINES],
                           attention_plot, decode)  # fmt: skip

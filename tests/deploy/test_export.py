@@ -13,7 +13,8 @@ pytest.importorskip("ctranslate2", reason="optional extra: pip install -e '.[exp
 
 from seq2seq.cli.main import app  # noqa: E402
 from seq2seq.deploy import export as export_module  # noqa: E402
-from seq2seq.inference.translator import EXPORT_METADATA, Translator  # noqa: E402
+from seq2seq.inference.engine import EXPORT_METADATA  # noqa: E402
+from seq2seq.inference.translator import Translator  # noqa: E402
 
 runner = CliRunner()
 

@@ -17,7 +17,8 @@ import pytest
 httpx = pytest.importorskip("httpx", reason="optional extra: pip install -e '.[serve]' (included in [dev])")
 pytest.importorskip("fastapi", reason="optional extra: pip install -e '.[serve]' (included in [dev])")
 
-from seq2seq.inference.translator import Translation, Translator  # noqa: E402
+from seq2seq.inference.engine import Translation  # noqa: E402
+from seq2seq.inference.translator import Translator  # noqa: E402
 
 
 def free_port() -> int:
@@ -161,13 +162,15 @@ def test_sigterm_stops_the_server_cleanly_after_the_request_in_flight(server):
     assert "Traceback" not in process.stderr.read().decode()
 
 
-class StalledTranslator:
+class StalledEngine:
     """An engine that waits for `release` (a request in flight as long as a test wants) or fails."""
+
+    name = "stalled"
 
     def __init__(self, *, fail: bool = False) -> None:
         self.release, self.fail, self.calls = threading.Event(), fail, 0
 
-    def __call__(self, lines, decode, progress):
+    def translate(self, lines, decode, progress):
         self.calls += 1
         if self.fail:
             raise RuntimeError("/secret/internal/path.py line 7: tensor shape mismatch")
@@ -175,18 +178,18 @@ class StalledTranslator:
         return [Translation([(line.upper(), 0.0)]) for line in lines]
 
 
-def app_client(engine: StalledTranslator, **limits):
+def app_client(engine: StalledEngine, **limits):
     from fastapi.testclient import TestClient
 
     from seq2seq.config import DecodeConfig
     from seq2seq.deploy.serve import Limits, create_app
 
-    translator = Translator(DecodeConfig(beam=2), engine, engine="stalled")
+    translator = Translator(DecodeConfig(beam=2), engine)
     return TestClient(create_app(translator, model_name="stalled", limits=Limits(**limits)))
 
 
 def test_a_full_queue_answers_503_and_a_slow_request_times_out():
-    engine = StalledTranslator()
+    engine = StalledEngine()
     with app_client(engine, max_queue=1, request_timeout=1.0, batch_wait=0.0) as client:
         with ThreadPoolExecutor(max_workers=1) as pool:
             first = pool.submit(client.post, "/translate", json={"lines": ["a"]})
@@ -207,7 +210,7 @@ def test_a_full_queue_answers_503_and_a_slow_request_times_out():
 
 
 def test_a_failure_inside_translation_is_a_500_that_echoes_nothing_internal(capfd):
-    with app_client(StalledTranslator(fail=True)) as client:
+    with app_client(StalledEngine(fail=True)) as client:
         response = client.post("/translate", json={"lines": ["a"]})
         assert response.status_code == 500
         assert response.json() == {"error": "translation failed; the server's log has the details"}
