@@ -1,6 +1,6 @@
 """seq2seq: train and use encoder-decoder Transformer translation models.
 
-`from seq2seq import Translator` is the Python API (translator.py); it is imported on first use, so
+`from seq2seq import Translator` is the Python API (inference/translator.py); it is imported on first use, so
 `import seq2seq` stays cheap.
 """
 
