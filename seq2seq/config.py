@@ -180,8 +180,8 @@ class TrainConfig:
 # Upper bounds on the decode numbers that set the amount of work, for every front door (config
 # files, --set, the Python API): they catch a slip such as beam 5000 before a search starts. The
 # server takes tighter ones (serve.Limits).
-DECODE_MAXIMA = {"beam": 256, "patience": 8.0, "max_len_a": 10.0, "max_len_b": 4096, "length_penalty": 10.0,
-                 "no_repeat_ngram": 32, "batch_tokens": 1_000_000}  # fmt: skip
+DECODE_MAXIMA = {"beam": 256, "nbest": 256, "patience": 8.0, "max_len_a": 10.0, "max_len_b": 4096,
+                 "length_penalty": 10.0, "no_repeat_ngram": 32, "batch_tokens": 1_000_000}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -196,6 +196,12 @@ class DecodeConfig:
     patience: float = 1.5  # a sentence's beam search ends when beam x patience hypotheses have finished
     no_repeat_ngram: int = 0  # forbid repeating any n-gram of this size in an output; 0 disables
     batch_tokens: int = 4096  # source tokens per translation batch
+    sample: bool = False  # draw `nbest` outputs per line from the model instead of searching (beam unused)
+    temperature: float = 1.0  # sampling: the logits are divided by it (< 1 sharpens, > 1 flattens)
+    top_k: int = 0  # sampling: only the k most likely tokens (0: all)
+    top_p: float = 1.0  # sampling: only the most likely tokens whose probabilities sum to top_p (nucleus)
+    epsilon: float = 0.0  # sampling: only tokens of probability > epsilon (the most likely one always)
+    seed: int = 1  # sampling: the same seed, lines and settings draw the same samples
 
     def normalized_score(self, log_prob: float, length: int) -> float:
         """How finished hypotheses are ranked: `log_prob` of `length` output tokens (EOS included)."""
@@ -220,8 +226,16 @@ class DecodeConfig:
                 found.append((key, "expected an integer >= 1"))
         if not self.patience >= 1.0:  # fewer than `beam` finished could leave an nbest list short
             found.append(("patience", f"expected a number >= 1, got {self.patience}"))
-        if self.nbest > self.beam:
+        if self.nbest > self.beam and not self.sample:  # samples are drawn, not kept from a beam
             found.append(("nbest", f"expected at most beam ({self.beam}), got {self.nbest}"))
+        if not 0.0 < self.temperature <= 100.0:
+            found.append(("temperature", f"expected a number in (0, 100], got {self.temperature}"))
+        if not 0.0 < self.top_p <= 1.0:
+            found.append(("top_p", f"expected a number in (0, 1], got {self.top_p}"))
+        if not 0.0 <= self.epsilon < 1.0:
+            found.append(("epsilon", f"expected a number in [0, 1), got {self.epsilon}"))
+        if self.top_k < 0:
+            found.append(("top_k", f"expected an integer >= 0 (0: no limit), got {self.top_k}"))
         for key in ("max_len_a", "max_len_b", "min_len", "length_penalty", "no_repeat_ngram"):
             if getattr(self, key) < 0:
                 found.append((key, "expected a number >= 0"))

@@ -127,7 +127,8 @@ def parity(
     max_bleu_drop: float,
 ) -> ParityReport:
     """Both engines on the same sentences and settings: greedy agreement and beam scores."""
-    greedy = dataclasses.replace(ours.decode, beam=1, nbest=1)
+    searched = dataclasses.replace(ours.decode, sample=False)  # the gate compares searches, never samples
+    greedy = dataclasses.replace(searched, beam=1, nbest=1)
     same = sum(a.text == b.text for a, b in zip(ours.translate_with(sources, greedy),
                                                    exported.translate_with(sources, greedy)))  # fmt: skip
     return ParityReport(
@@ -135,8 +136,8 @@ def parity(
         sentences=len(sources),
         identical_greedy=same / len(sources),
         beam=ours.decode.beam,
-        ours=translate_and_score(ours, sources, references).scores,
-        exported=translate_and_score(exported, sources, references).scores,
+        ours=translate_and_score(ours, sources, references, searched).scores,
+        exported=translate_and_score(exported, sources, references, searched).scores,
         max_bleu_drop=max_bleu_drop,
     )
 

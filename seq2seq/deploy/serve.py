@@ -41,7 +41,8 @@ from seq2seq.inference.translator import Translator
 # The decode fields a request may set, and the JSON type each must have: a number is a number, never
 # a string that parses as one.
 DECODE_FIELDS = {"beam": int, "nbest": int, "patience": float, "length_penalty": float, "length_norm": str,
-                 "max_len_a": float, "max_len_b": int, "min_len": int, "no_repeat_ngram": int}  # fmt: skip
+                 "max_len_a": float, "max_len_b": int, "min_len": int, "no_repeat_ngram": int, "sample": bool,
+                 "temperature": float, "top_k": int, "top_p": float, "epsilon": float, "seed": int}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -63,8 +64,9 @@ class Limits:
 
     def bounds(self) -> dict[str, float]:
         """Each bounded decode field and its largest allowed value (nbest is bounded by beam)."""
-        return {"beam": self.max_beam, "patience": self.max_patience, "max_len_a": self.max_len_a,
-                "max_len_b": self.max_len_b, "no_repeat_ngram": self.max_no_repeat_ngram}  # fmt: skip
+        return {"beam": self.max_beam, "nbest": self.max_beam, "patience": self.max_patience,
+                "max_len_a": self.max_len_a, "max_len_b": self.max_len_b, "no_repeat_ngram": self.max_no_repeat_ngram,
+                "seed": 2**63 - 1}  # fmt: skip
 
 
 @dataclass
@@ -172,7 +174,8 @@ def parse_request(body: object, translator: Translator, limits: Limits) -> tuple
     options = {key: body[key] for key in DECODE_FIELDS if key in body}
     for key, value in options.items():
         if not _has_json_type(value, DECODE_FIELDS[key]):
-            expected = {int: "an integer", float: "a number", str: "a string"}[DECODE_FIELDS[key]]
+            kinds = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+            expected = kinds[DECODE_FIELDS[key]]
             raise RequestError(422, f"{key}: expected {expected}, got {_short(value)}")
         most = limits.bounds().get(key)
         if most is not None and value > most:
@@ -227,6 +230,8 @@ def create_app(translator: Translator, *, model_name: str, limits: Limits = Limi
 
 
 def _has_json_type(value: object, kind: type) -> bool:
+    if kind is bool:
+        return isinstance(value, bool)
     if kind is float:
         return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     return isinstance(value, kind) and not isinstance(value, bool)

@@ -37,7 +37,7 @@ def plot_attention(
         if not line.strip():
             continue
         src = pad([tokenizer.encode_src([line])[0]]).to(device)
-        hyp = search(model, src, dataclasses.replace(decode, nbest=1))[0][0]
+        hyp = search(model, src, dataclasses.replace(decode, nbest=1, sample=False))[0][0]
         tgt_in = torch.tensor([[BOS_ID, *hyp.tokens]], device=device)
         shown = ATTENTION_PLOT_PIECES
         maps = model.cross_attention(src, tgt_in)[:, 0].mean(1).float().cpu()[:, :shown, :shown]  # (layers, T, S)

@@ -54,6 +54,9 @@ class CTranslate2Engine:
         self.runtime, self.src, self.tgt = runtime, src, tgt
 
     def translate(self, lines: list[str], decode: DecodeConfig, progress: bool) -> list[Translation]:
+        if decode.sample and decode.epsilon:
+            raise UserInputError("decode.epsilon: CTranslate2 has no epsilon sampling; set decode.epsilon=0 or "
+                                 "translate with the checkpoint")  # fmt: skip
         texts = [normalize(line) for line in lines]
         rows = [index for index, text in enumerate(texts) if text]  # an empty line stays empty
         pieces = self.src.encode([texts[index] for index in rows], out_type=str)
@@ -81,17 +84,22 @@ def _translate(
     and a beam search run with a larger limit is not the same search (beams our search ends at the
     limit live on), so sentences go in one call per limit, all submitted at once for the workers."""
     exponent = _ctranslate2_exponent(decode)
+    draws = decode.nbest if decode.sample else 1  # a sampled line goes in nbest times, one draw each
+    if decode.sample:
+        ctranslate2.set_random_seed(decode.seed)
+        search = {"beam_size": 1, "num_hypotheses": 1, "sampling_topk": decode.top_k,
+                  "sampling_topp": decode.top_p, "sampling_temperature": decode.temperature}  # fmt: skip
+    else:
+        search = {"beam_size": decode.beam, "patience": decode.patience, "num_hypotheses": decode.beam}
     by_limit: dict[int, list[int]] = defaultdict(list)
     for position, limit in enumerate(limits):
-        by_limit[limit].append(position)
+        by_limit[limit].extend([position] * draws)
     submitted = []
     for limit, members in by_limit.items():
         pending = engine.translate_batch(
             [pieces[position] for position in members],
             asynchronous=True,
-            beam_size=decode.beam,
-            patience=decode.patience,
-            num_hypotheses=decode.beam,
+            **search,
             return_scores=True,
             max_decoding_length=limit,
             min_decoding_length=decode.min_len,
@@ -101,11 +109,12 @@ def _translate(
             batch_type="tokens",
         )
         submitted.append((limit, members, pending))
-    outputs: list = [None] * len(pieces)
-    for limit, members, pending in submitted:
+    finished: list[list] = [[] for _ in pieces]  # per line: (tokens, score) of its hypotheses or draws
+    for _, members, pending in submitted:
         for position, result in zip(members, pending):
-            outputs[position] = _ranked(result.result(), decode, limit, exponent)
-    return outputs
+            output = result.result()
+            finished[position].extend(zip(output.hypotheses, output.scores))
+    return [_ranked(found, decode, limit, exponent) for found, limit in zip(finished, limits)]
 
 
 def _ctranslate2_exponent(decode: DecodeConfig) -> float:
@@ -122,12 +131,12 @@ class _Ranked:
     scores: list[float]
 
 
-def _ranked(output, decode: DecodeConfig, limit: int, exponent: float) -> _Ranked:
-    """The nbest of CTranslate2's finished hypotheses, scored and ranked as our search scores them.
-    Both count the EOS of a hypothesis that ended in the length; one cut at the limit (`limit`
-    tokens) has none."""
+def _ranked(found: list[tuple[list[str], float]], decode: DecodeConfig, limit: int, exponent: float) -> _Ranked:
+    """The nbest of CTranslate2's finished hypotheses (tokens, score), scored and ranked as our search
+    scores them. Both count the EOS of a hypothesis that ended in the length; one cut at the limit
+    (`limit` tokens) has none."""
     scored = []
-    for tokens, score in zip(output.hypotheses, output.scores):
+    for tokens, score in found:
         length = len(tokens) if len(tokens) >= limit else len(tokens) + 1
         scored.append((decode.normalized_score(score * length**exponent, length), tokens))
     best = sorted(scored, key=lambda pair: -pair[0])[: decode.nbest]

@@ -48,11 +48,12 @@ def translate_lines(
     lengths = np.array([len(ids) for ids in encoded], dtype=np.int64)
     results: list[Translation] = [Translation([]) for _ in lines]  # an empty line stays empty
     batches = token_batches(lengths, max_tokens=config.batch_tokens)
+    generator = torch.Generator(device).manual_seed(config.seed) if config.sample else None
     with tqdm(total=len(lines), desc="translate", unit="sent", disable=not progress, leave=False) as bar:
         bar.update(len(lines) - len(non_empty))
         for indices in batches:
             src = pad([encoded[i] for i in indices]).to(device)
-            for index, hyps in zip(non_empty[indices].tolist(), search(decoder, src, config)):
+            for index, hyps in zip(non_empty[indices].tolist(), search(decoder, src, config, generator=generator)):
                 results[index] = Translation([(tokenizer.decode_tgt(h.tokens), h.score) for h in hyps])
             bar.update(len(indices))
     return results

@@ -133,8 +133,11 @@ def _ban_repeated_ngrams(log_probs: Tensor, output: Tensor, n: int) -> None:
 
 
 @torch.no_grad()
-def greedy_search(model: Decoder, src: Tensor, config: DecodeConfig) -> list[list[Hypothesis]]:
-    """The most likely next token at every step, for a batch of source sentences (B, S).
+def greedy_search(
+    model: Decoder, src: Tensor, config: DecodeConfig, *, generator: torch.Generator | None = None
+) -> list[list[Hypothesis]]:
+    """The most likely next token at every step, for a batch of source sentences (B, S); with a
+    `generator`, a token drawn from sampling_distribution instead (sample_search).
 
     The host reads from the device once per step (which rows ended), and twice more on a step
     where some did (their tokens and totals): on a GPU each read waits for the queued work."""
@@ -152,7 +155,11 @@ def greedy_search(model: Decoder, src: Tensor, config: DecodeConfig) -> list[lis
     while active:
         logits = model.decode(prefixes[:, -1:], memory, src_mask, cache)[:, -1]
         log_probs = _next_log_probs(logits, step, max_lengths, config, prefixes, shortest_limit=shortest_limit)
-        best_log_prob, best = log_probs.max(-1)
+        if generator is None:
+            best_log_prob, best = log_probs.max(-1)
+        else:
+            best = torch.multinomial(sampling_distribution(log_probs, config), 1, generator=generator).squeeze(1)
+            best_log_prob = log_probs.gather(1, best.unsqueeze(1)).squeeze(1)
         totals += best_log_prob
         done = best == EOS_ID
         done_rows = done.nonzero().squeeze(1)
@@ -250,8 +257,48 @@ def _finish(
         finished[active[row]].append(Hypothesis(tokens, length_normalized(total, length, config), total))
 
 
-def search(model: Decoder, src: Tensor, config: DecodeConfig) -> list[list[Hypothesis]]:
-    """Greedy when beam is 1 and one hypothesis is asked for, beam search otherwise."""
+def sampling_distribution(log_probs: Tensor, config: DecodeConfig) -> Tensor:
+    """(N, V) next-token log-probs -> the distribution samples are drawn from: logits divided by the
+    temperature, then only the top_k most likely tokens, then of those (renormalised) the most likely
+    whose probabilities sum to top_p, then those above epsilon; the most likely token always stays.
+    The order of fairseq and HF; CTranslate2 applies top-k and top-p the same way."""
+    probs = (log_probs / config.temperature).softmax(-1)
+    keep = probs > 0  # banned tokens (PAD, BOS, EOS before min_len) have probability 0
+    if config.top_k:
+        kth = probs.topk(min(config.top_k, probs.size(-1)), dim=-1).values[:, -1:]
+        keep &= probs >= kth
+    if config.top_p < 1.0:
+        kept = probs * keep
+        ordered, order = (kept / kept.sum(-1, keepdim=True)).sort(-1, descending=True)
+        before = ordered.cumsum(-1) - ordered  # mass of the more likely tokens
+        keep &= torch.zeros_like(keep).scatter(-1, order, before < config.top_p)
+    if config.epsilon:
+        keep &= probs > config.epsilon
+    keep.scatter_(-1, probs.argmax(-1, keepdim=True), True)
+    kept = probs * keep
+    return kept / kept.sum(-1, keepdim=True)
+
+
+def sample_search(
+    model: Decoder, src: Tensor, config: DecodeConfig, generator: torch.Generator
+) -> list[list[Hypothesis]]:
+    """`nbest` outputs per source sentence, each drawn token by token from sampling_distribution
+    (back-translation, diverse n-best lists); ranked like any n-best list by their normalised
+    log-probability under the model (not under the filtered distribution)."""
+    draws = greedy_search(model, src.repeat_interleave(config.nbest, dim=0), config, generator=generator)
+    grouped = [sum(draws[i : i + config.nbest], []) for i in range(0, len(draws), config.nbest)]
+    return [sorted(hypotheses, key=lambda h: h.score, reverse=True) for hypotheses in grouped]
+
+
+def search(
+    model: Decoder, src: Tensor, config: DecodeConfig, *, generator: torch.Generator | None = None
+) -> list[list[Hypothesis]]:
+    """Sampling when asked for (with `generator`, seeded by the caller), else greedy when beam is 1
+    and one hypothesis is asked for, else beam search."""
+    if config.sample:
+        if generator is None:
+            raise ValueError("sampling needs a seeded torch.Generator")
+        return sample_search(model, src, config, generator)
     if config.beam == 1:
         return greedy_search(model, src, config)
     return beam_search(model, src, config)

@@ -41,7 +41,7 @@ def validate(
     autocast: AbstractContextManager,
 ) -> ValidationResult:
     """Validation NLL per target token, and BLEU/chrF of at most train.valid_max_sentences translations
-    (beam train.valid_beam, the other decode settings as given)."""
+    (beam train.valid_beam, never sampled, the other decode settings as given)."""
     device = next(model.parameters()).device
     model.eval()
     nll, tokens = 0.0, 0
@@ -54,6 +54,7 @@ def validate(
     # Translated in fp32, as `seq2seq translate` does, so the BLEU printed is the one users will get
     # (and search's ever-changing row counts stay out of oneDNN's per-shape bf16 kernel cache).
     count = min(train.valid_max_sentences, len(data.valid_text))
-    translator = Translator.from_model(model, tokenizer, dataclasses.replace(decode, beam=train.valid_beam))
+    searched = dataclasses.replace(decode, beam=train.valid_beam, sample=False)
+    translator = Translator.from_model(model, tokenizer, searched)
     evaluation = translate_and_score(translator, data.valid_text.src[:count], data.valid_text.tgt[:count])
     return ValidationResult(nll / max(tokens, 1), evaluation.scores, evaluation.hypotheses)

@@ -4,6 +4,7 @@ model translates like the checkpoint through the Python API and the CLI; bad inp
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ pytest.importorskip("ctranslate2", reason="optional extra: pip install -e '.[exp
 
 from seq2seq.cli.main import app  # noqa: E402
 from seq2seq.deploy import export as export_module  # noqa: E402
+from seq2seq.errors import UserInputError  # noqa: E402
 from seq2seq.inference.engine import EXPORT_METADATA  # noqa: E402
 from seq2seq.inference.translator import Translator  # noqa: E402
 
@@ -125,3 +127,30 @@ def test_existing_output_and_foreign_directories_are_refused(checkpoint, tmp_pat
     result = invoke("translate", "-c", tmp_path / "taken", "-i", data / "test.en")
     assert result.exit_code == 2 and "Traceback" not in result.output
     assert result.stderr.strip() == f"error: {tmp_path / 'taken'} (stored config): data: required key is missing"
+
+
+@pytest.mark.parametrize("settings", [{"temperature": 1.0}, {"temperature": 0.7, "top_k": 4, "top_p": 0.9}])
+def test_both_engines_sample_from_one_distribution(exported_model, settings):
+    """The same seed does not draw the same samples in two engines, so the test compares what they
+    draw: 800 samples of one line from each, and the frequency of each first word agrees within 5
+    standard deviations of the difference of two binomials (the half-trained model is unsure: its
+    first words spread over many choices)."""
+    ours, exported, lines = exported_model
+    decode = ours.settings(**{"sample": True, "nbest": 200, **settings})
+    first_words = {}
+    for name, translator in (("ours", ours), ("exported", exported)):
+        draws = [text for t in translator.translate_with([lines[3]] * 4, decode) for text, _ in t.nbest]
+        assert len(draws) == 800
+        first_words[name] = [draw.split(" ")[0] for draw in draws]
+    common = {w for w in set(first_words["ours"]) if first_words["ours"].count(w) >= 40}
+    assert len(common) >= 2  # the line has several likely first words: the comparison means something
+    for word in set(first_words["ours"]) | set(first_words["exported"]):
+        p_ours, p_exported = (first_words[name].count(word) / 800 for name in ("ours", "exported"))
+        p = (p_ours + p_exported) / 2
+        assert abs(p_ours - p_exported) <= 5 * math.sqrt(2 * p * (1 - p) / 800) + 1 / 800, word
+
+
+def test_epsilon_sampling_on_an_exported_model_is_one_line(exported_model):
+    _, exported, lines = exported_model
+    with pytest.raises(UserInputError, match="decode.epsilon: CTranslate2 has no epsilon sampling"):
+        exported.translate(lines[:1], sample=True, epsilon=0.01)

@@ -74,6 +74,13 @@ def test_translations_equal_the_python_api(server):
     assert response.json()["translations"] == Translator.load(path, device="cpu").translate(lines, beam=2)
     nbest = httpx.post(f"{url}/translate", json={"lines": lines[:2], "beam": 3, "nbest": 2}, timeout=60).json()
     assert [len(options) for options in nbest["nbest"]] == [2, 2]
+    sampled = {"lines": lines[:2], "sample": True, "nbest": 3, "temperature": 0.8, "seed": 5}
+    answer = httpx.post(f"{url}/translate", json=sampled, timeout=60).json()
+    expected = Translator.load(path, device="cpu").translate_nbest(lines[:2], sample=True, nbest=3, temperature=0.8,
+                                                                    seed=5)  # fmt: skip
+    assert [[option["text"] for option in options] for options in answer["nbest"]] == [
+        [text for text, _ in t.nbest] for t in expected
+    ]  # the same seed, lines and settings: the same samples (scores equal up to float rounding)
 
 
 def test_concurrent_requests_are_batched_and_each_gets_its_own_answer(server):
@@ -118,6 +125,9 @@ def test_concurrent_requests_are_batched_and_each_gets_its_own_answer(server):
         (json.dumps({"lines": ["a"], "beam": 2, "nbest": 3}).encode(), 422, "nbest: expected at most beam (2)"),
         (json.dumps({"lines": ["a"], "min_len": 200}).encode(), 422, "min_len: expected at most the length limit"),
         (b"[" * 100_000 + b"]" * 100_000, 400, "malformed JSON: nested too deeply"),
+        (json.dumps({"lines": ["a"], "sample": "yes"}).encode(), 422, "sample: expected true or false"),
+        (json.dumps({"lines": ["a"], "sample": True, "nbest": 17}).encode(), 422, "nbest: at most 16 on this server"),
+        (json.dumps({"lines": ["a"], "sample": True, "top_p": 0}).encode(), 422, "top_p: expected a number in (0, 1]"),
     ],
 )
 def test_bad_requests_get_a_json_error_and_the_server_lives_on(server, body, status, fragment):

@@ -11,7 +11,15 @@ import torch
 
 from seq2seq.config import DecodeConfig, ModelConfig
 from seq2seq.data.special_tokens import BOS_ID, EOS_ID, PAD_ID
-from seq2seq.inference.search import PrefixCache, beam_search, beam_step, greedy_search, length_normalized
+from seq2seq.inference.search import (
+    PrefixCache,
+    beam_search,
+    beam_step,
+    greedy_search,
+    length_normalized,
+    sample_search,
+    sampling_distribution,
+)
 from seq2seq.model.transformer import Seq2SeqTransformer
 
 VOCAB = 7  # ids 0-3 are pad/unk/bos/eos; the search may emit unk (1), eos (3) and 4, 5, 6
@@ -226,3 +234,44 @@ def test_no_repeat_ngram_forbids_repeated_ngrams(search):
         tokens = search(RepetitiveModel(), sentences(80), dataclasses.replace(config, no_repeat_ngram=n))[0][0].tokens
         grams = [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
         assert len(grams) == len(set(grams)), tokens
+
+
+def test_the_sampling_distribution_by_hand():
+    log_probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    base = DecodeConfig(sample=True)
+    torch.testing.assert_close(sampling_distribution(log_probs, base), log_probs.exp())
+    top_k = sampling_distribution(log_probs, dataclasses.replace(base, top_k=2))
+    torch.testing.assert_close(top_k, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
+    top_p = sampling_distribution(log_probs, dataclasses.replace(base, top_p=0.7))  # 0.5 + 0.3 reach 0.7
+    torch.testing.assert_close(top_p, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
+    epsilon = sampling_distribution(log_probs, dataclasses.replace(base, epsilon=0.1))
+    torch.testing.assert_close(epsilon, torch.tensor([[0.5, 0.3, 0.15, 0.0]]) / 0.95)
+    hot = sampling_distribution(log_probs, dataclasses.replace(base, temperature=2.0))
+    torch.testing.assert_close(hot, log_probs.exp().sqrt() / log_probs.exp().sqrt().sum())
+    only_best = sampling_distribution(log_probs, dataclasses.replace(base, top_p=0.1, epsilon=0.9))
+    torch.testing.assert_close(only_best, torch.tensor([[1.0, 0.0, 0.0, 0.0]]))
+
+
+@pytest.mark.parametrize(("temperature", "top_k"), [(1.0, 0), (0.5, 0), (1.0, 2)])
+def test_samples_follow_the_models_distribution(temperature, top_k):
+    """Outputs of a table model drawn many times: each output's frequency matches its probability
+    under the temperature and top-k (within 5 standard deviations), and a seed repeats the draws."""
+    table = {(): {4: 0.5, 5: 0.3, 6: 0.2}, (4,): {EOS_ID: 0.7, 5: 0.3}}  # outputs: 4 | 4 5 | 5 | 6
+    model = TableModel(table)
+    settings = no_norm(sample=True, nbest=250, temperature=temperature, top_k=top_k)
+    first = torch.tensor([0.5, 0.3, 0.2]) ** (1 / temperature)
+    if top_k:
+        first[top_k:] = 0
+    first /= first.sum()
+    second = torch.tensor([0.7, 0.3]) ** (1 / temperature)
+    second /= second.sum()
+    expected = {(4,): first[0] * second[0], (4, 5): first[0] * second[1], (5,): first[1], (6,): first[2]}
+    draws = [tuple(h.tokens) for hyps in sample_search(model, sentences(0, 0, 0, 0), settings,
+                                                       torch.Generator().manual_seed(7)) for h in hyps]  # fmt: skip
+    assert len(draws) == 1000 and set(draws) <= set(expected)
+    for output, p in expected.items():
+        spread = 5 * math.sqrt(1000 * p * (1 - p)) + 1
+        assert abs(draws.count(output) - 1000 * p) <= spread, (output, draws.count(output), 1000 * float(p))
+    again = [tuple(h.tokens) for hyps in sample_search(model, sentences(0, 0, 0, 0), settings,
+                                                       torch.Generator().manual_seed(7)) for h in hyps]  # fmt: skip
+    assert again == draws
