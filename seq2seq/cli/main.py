@@ -195,6 +195,30 @@ def translate(
         typer.echo(f"attention plots: {', '.join(map(str, written))}", err=True)
 
 
+@app.command("score-pairs")
+@user_errors
+def score_pairs(
+    checkpoint: CheckpointOption,
+    src: Annotated[Path, typer.Option("--src", help="Source sentences, one per line.", show_default=False)],
+    tgt: Annotated[Path, typer.Option("--tgt", help="Their given translations, one per line.", show_default=False)],
+    output: Annotated[str, typer.Option("--output", "-o", help="Output file, or - for stdout.")] = "-",
+    per_token: Annotated[bool, typer.Option("--per-token", help="Add each piece's log-probability.")] = False,
+    overrides: SetOption = None,
+) -> None:
+    """Score given translations with the model (force-decoding): score, log-probability, pieces per pair.
+
+    The score is the log-probability normalised by length as beam search ranks outputs
+    (decode.length_norm); use it to filter noisy parallel data or rerank.
+
+    Examples:
+      seq2seq score-pairs -c runs/demo/checkpoints/best.pt --src data/demo/test.en --tgt data/demo/test.xx
+      seq2seq score-pairs -c models/demo-ct2 --src train.en --tgt train.xx -o scores.tsv --per-token
+    """
+    from seq2seq.inference.translator import score_file
+
+    score_file(checkpoint, src=src, tgt=tgt, output=output, decode_overrides=overrides or [], per_token=per_token)
+
+
 RefsOption = Annotated[
     list[Path], typer.Option("--ref", help="Reference translations, one per line (repeat for several references).")
 ]

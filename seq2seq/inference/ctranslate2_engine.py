@@ -22,7 +22,7 @@ import sentencepiece as spm
 from seq2seq.config import DecodeConfig, config_from_dict
 from seq2seq.data.sources import normalize
 from seq2seq.errors import UserInputError
-from seq2seq.inference.engine import EXPORT_METADATA, Engine, Translation, read_export_metadata
+from seq2seq.inference.engine import EXPORT_METADATA, Engine, PairScore, Translation, read_export_metadata
 
 NEGLIGIBLE_EXPONENT = 1e-9  # length^1e-9 is 1 within 1e-8 relative: the order of raw log-probabilities
 
@@ -67,6 +67,15 @@ class CTranslate2Engine:
             nbest = [(self.tgt.decode(tokens), score) for tokens, score in zip(output.hypotheses, output.scores)]
             results[rows[position]] = Translation(nbest)
         return results
+
+    def score(self, sources: list[str], targets: list[str], decode: DecodeConfig) -> list[PairScore]:
+        """CTranslate2's score_batch: the log-probability of each target piece and of the EOS after them."""
+        src = self.src.encode([normalize(line) for line in sources], out_type=str)
+        tgt = self.tgt.encode([normalize(line) for line in targets], out_type=str)
+        results = self.runtime.score_batch(src, tgt, max_batch_size=decode.batch_tokens, batch_type="tokens")
+        return [PairScore([*pieces, "</s>"], list(result.log_probs),
+                          decode.normalized_score(sum(result.log_probs), len(result.log_probs)))
+                for pieces, result in zip(tgt, results)]  # fmt: skip
 
 
 def _translate(

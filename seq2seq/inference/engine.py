@@ -1,7 +1,7 @@
 """What every inference engine shares: the `Engine` contract `Translator` depends on, the
 `Translation` it returns, and the metadata file that marks an exported model.
 
-An engine turns lines into n-best lists under given decode settings; it knows nothing of
+An engine turns lines into n-best lists under given decode settings, and scores given pairs; it knows nothing of
 `Translator`, so adding one (a new runtime, a remote service) touches no other engine. Today's two:
 pytorch_engine.py (a checkpoint, our search) and ctranslate2_engine.py (an exported directory).
 """
@@ -30,6 +30,19 @@ class Translation:
         return self.nbest[0][0] if self.nbest else ""
 
 
+@dataclass(frozen=True)
+class PairScore:
+    """How likely the model finds a given target for a given source (force-decoding)."""
+
+    pieces: list[str]  # the target's pieces, then the end of sentence
+    log_probs: list[float]  # of each piece given the source and the pieces before it
+    score: float  # their sum, length-normalised as search ranks its outputs
+
+    @property
+    def log_prob(self) -> float:
+        return sum(self.log_probs)
+
+
 class Engine(Protocol):
     """Translates lines with complete decode settings; one Translation per line, in input order (an
     empty line gets an empty one)."""
@@ -37,6 +50,9 @@ class Engine(Protocol):
     name: str  # "pytorch", "ctranslate2": reports and /health say which engine answered
 
     def translate(self, lines: list[str], decode: DecodeConfig, progress: bool) -> list[Translation]: ...
+
+    def score(self, sources: list[str], targets: list[str], decode: DecodeConfig) -> list[PairScore]:
+        """Each target's log-probabilities given its source (length normalisation from `decode`)."""
 
 
 def read_export_metadata(directory: Path) -> dict:

@@ -10,8 +10,9 @@ from tqdm import tqdm
 from seq2seq.config import DecodeConfig
 from seq2seq.data.batching import pad, token_batches
 from seq2seq.data.sources import normalize
+from seq2seq.data.special_tokens import BOS_ID, EOS_ID
 from seq2seq.data.tokenizer import Tokenizer
-from seq2seq.inference.engine import Translation
+from seq2seq.inference.engine import PairScore, Translation
 from seq2seq.inference.graphed_decoder import GraphedDecoder, graphs_apply
 from seq2seq.inference.search import search
 
@@ -26,6 +27,26 @@ class PyTorchEngine:
 
     def translate(self, lines: list[str], decode: DecodeConfig, progress: bool) -> list[Translation]:
         return translate_lines(self.model, self.tokenizer, lines, decode, progress=progress)
+
+    @torch.no_grad()
+    def score(self, sources: list[str], targets: list[str], decode: DecodeConfig) -> list[PairScore]:
+        """Teacher forcing in token-budgeted batches: the log-probability of each target piece and of
+        the EOS after them, as search computes them for its own outputs."""
+        device = next(self.model.parameters()).device
+        src_ids = self.tokenizer.encode_src([normalize(line) for line in sources])
+        tgt_ids = self.tokenizer.encode_tgt([normalize(line) for line in targets])
+        lengths = np.array([len(s) + len(t) + 1 for s, t in zip(src_ids, tgt_ids)], dtype=np.int64)
+        scores: list[PairScore] = [PairScore([], [], 0.0)] * len(sources)
+        for indices in token_batches(lengths, max_tokens=decode.batch_tokens):
+            src = pad([src_ids[i] for i in indices]).to(device)
+            tgt_in = pad([[BOS_ID, *tgt_ids[i]] for i in indices]).to(device)
+            gold = pad([[*tgt_ids[i], EOS_ID] for i in indices]).to(device)
+            log_probs = self.model(src, tgt_in).float().log_softmax(-1).gather(-1, gold.unsqueeze(-1)).squeeze(-1)
+            for row, index in enumerate(indices.tolist()):
+                values = log_probs[row, : len(tgt_ids[index]) + 1].tolist()
+                pieces = [*self.tokenizer.tgt_pieces(tgt_ids[index]), "</s>"]
+                scores[index] = PairScore(pieces, values, decode.normalized_score(sum(values), len(values)))
+        return scores
 
 
 def translate_lines(

@@ -27,7 +27,7 @@ from seq2seq.config import DecodeConfig, decode_config_from, decode_config_with
 from seq2seq.data.sources import chunked, decode_lines, read_lines
 from seq2seq.errors import UserInputError
 from seq2seq.files import atomic_write, check_writable
-from seq2seq.inference.engine import EXPORT_METADATA, Engine, Translation
+from seq2seq.inference.engine import EXPORT_METADATA, Engine, PairScore, Translation
 
 # A file is read, translated and written this many lines at a time, so memory stays flat however
 # long it is; within a chunk, lines are sorted by length into batches.
@@ -87,6 +87,17 @@ class Translator:
         """Up to `nbest` (text, score) pairs per line, best first; scores are length-normalised log-probabilities."""
         return self.translate_with(list(lines), self.settings(**options))
 
+    def score(self, sources: list[str], targets: list[str], **options: Any) -> list[PairScore]:
+        """How likely the model finds each given target for its source (force-decoding): per-piece
+        log-probabilities and their length-normalised sum, e.g. to filter noisy pairs or rerank."""
+        return self.score_with(list(sources), list(targets), self.settings(**options))
+
+    def score_with(self, sources: list[str], targets: list[str], decode: DecodeConfig) -> list[PairScore]:
+        """Score with a complete decode config (overrides already applied)."""
+        if len(sources) != len(targets):
+            raise UserInputError(f"{len(sources)} sources but {len(targets)} targets; expected equal counts")
+        return self._engine.score(sources, targets, decode)
+
     def translate_with(self, lines: list[str], decode: DecodeConfig, *, progress: bool = False) -> list[Translation]:
         """Translate with a complete decode config (overrides already applied)."""
         return self._engine.translate(lines, decode, progress)
@@ -137,6 +148,27 @@ def translate_file(
 
     return plot_attention(translator.bundle.model, translator.bundle.tokenizer, first_chunk[:ATTENTION_PLOT_LINES],
                           attention_plot, decode)  # fmt: skip
+
+
+def score_file(model: Path, *, src: Path, tgt: Path, output: str, decode_overrides: list[str], per_token: bool,
+               device: str | None = None) -> None:  # fmt: skip
+    """`seq2seq score-pairs`: one line per pair, `score<TAB>log-probability<TAB>pieces` (with
+    per_token, a fourth column: each piece's log-probability, EOS last), in input order; the files are
+    counted before the model is loaded and read a chunk at a time."""
+    counts = [sum(1 for _ in read_lines(path)) for path in (src, tgt)]
+    if counts[0] != counts[1]:
+        raise UserInputError(f"{tgt}: has {counts[1]} lines but {src} has {counts[0]}; expected one target per source")
+    if output != "-":
+        check_writable(output)
+    translator = Translator.load(model, device=device)
+    decode = translator.settings(decode_overrides)
+    pairs = chunked(zip(read_lines(src), read_lines(tgt)), FILE_CHUNK_LINES)
+    with _output(output) as sink, tqdm(total=counts[0], desc="score", unit="pair", disable=output == "-") as bar:
+        for chunk in pairs:
+            for pair in translator.score_with([s for s, _ in chunk], [t for _, t in chunk], decode):
+                extra = "\t" + " ".join(f"{value:.4f}" for value in pair.log_probs) if per_token else ""
+                sink.write(f"{pair.score:.4f}\t{pair.log_prob:.4f}\t{len(pair.log_probs)}{extra}\n")
+            bar.update(len(chunk))
 
 
 @contextlib.contextmanager

@@ -131,6 +131,9 @@ CASES = {
         lambda w: [str(w.folder), "is a directory"]),
     "eval on empty files": Case(lambda w: ["eval", "-c", w.checkpoint, "--src", w.empty, "--ref", w.empty],
                                 lambda w: [str(w.empty), "no lines to translate"]),
+    "score-pairs with counts that differ": Case(
+        lambda w: ["score-pairs", "-c", w.checkpoint, "--src", w.data / "test.en", "--tgt", w.data / "train.xx"],
+        lambda w: [str(w.data / "train.xx"), "has 3000 lines", "has 60", "expected one target per source"]),
     "score an empty hypothesis file": Case(lambda w: ["score", "--hyp", w.empty, "--ref", w.empty],
                                            lambda w: [str(w.empty), "no lines to score"]),
     "tokenizer vocab_size below the character set": Case(

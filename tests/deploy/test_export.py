@@ -154,3 +154,15 @@ def test_epsilon_sampling_on_an_exported_model_is_one_line(exported_model):
     _, exported, lines = exported_model
     with pytest.raises(UserInputError, match="decode.epsilon: CTranslate2 has no epsilon sampling"):
         exported.translate(lines[:1], sample=True, epsilon=0.01)
+
+
+def test_both_engines_score_given_pairs_alike(exported_model, trained_checkpoint):
+    """Force-decoding the test references: the same pieces and per-piece log-probabilities."""
+    ours, exported, lines = exported_model
+    _, data = trained_checkpoint
+    references = (data / "test.xx").read_text(encoding="utf-8").splitlines()
+    mine, theirs = ours.score(lines, references), exported.score(lines, references)
+    assert [a.pieces for a in mine] == [b.pieces for b in theirs]
+    for a, b in zip(mine, theirs):
+        np.testing.assert_allclose(b.log_probs, a.log_probs, atol=2e-3)
+        assert b.score == pytest.approx(a.score, abs=1e-3)

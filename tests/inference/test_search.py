@@ -275,3 +275,21 @@ def test_samples_follow_the_models_distribution(temperature, top_k):
     again = [tuple(h.tokens) for hyps in sample_search(model, sentences(0, 0, 0, 0), settings,
                                                        torch.Generator().manual_seed(7)) for h in hyps]  # fmt: skip
     assert again == draws
+
+
+def test_scoring_a_search_output_gives_the_searchs_own_score(trained_checkpoint):
+    """Force-decoding (Translator.score, teacher forcing in batches) and the cached greedy search
+    compute the same log-probabilities: an output that ended with EOS scores what search said."""
+    from seq2seq.inference.translator import Translator
+
+    path, data = trained_checkpoint
+    translator = Translator.load(path, device="cpu")
+    lines = (data / "test.en").read_text(encoding="utf-8").splitlines()[:30]
+    settings = {"beam": 1, "max_len_a": 3.0, "max_len_b": 60}
+    outputs = [t.nbest[0] for t in translator.translate_nbest(lines, **settings)]
+    scored = translator.score(lines, [text for text, _ in outputs], **settings)
+    limits = [int(3.0 * len(ids) + 60) for ids in translator.bundle.tokenizer.encode_src(lines)]
+    ended = [(pair, score) for pair, (_, score), limit in zip(scored, outputs, limits) if len(pair.pieces) <= limit]
+    assert len(ended) >= 20  # most outputs ended before their limit (a cut one has no EOS to score)
+    for pair, score in ended:
+        assert pair.score == pytest.approx(score, abs=1e-4)
