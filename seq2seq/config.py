@@ -253,6 +253,12 @@ class DecodeConfig:
         return max(1, math.floor(self.max_len_a * 2 + self.max_len_b))
 
 
+def guidance_limit(limit: int, prefix_length: int) -> int:
+    """A sentence's output length limit with a forced target prefix of `prefix_length` tokens: at
+    least the prefix and one token more (both engines apply it)."""
+    return max(limit, prefix_length + 1) if prefix_length else limit
+
+
 @dataclass(frozen=True)
 class Config:
     data: DataConfig

@@ -6,6 +6,11 @@ is one implementation, `PrefixCache` serves decoders that keep no keys/values (s
 models, recomputing reference decoders). The beam update is the pure function `beam_step`; the
 loops around it only call the model, keep finished hypotheses and drop finished sentences from
 the batch so that later steps cost less.
+
+Two kinds of guidance apply per sentence. A target prefix is forced token by token (only the
+prefix's token is allowed, at log-probability 0: as CTranslate2 does, a score counts the tokens
+the search chose, normalised by the whole output's length). Terminology constraints run through
+constraints.py's dynamic beam allocation, for the sentences that have some.
 """
 
 from __future__ import annotations
@@ -17,8 +22,9 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from seq2seq.config import DecodeConfig
+from seq2seq.config import DecodeConfig, guidance_limit
 from seq2seq.data.special_tokens import BOS_ID, EOS_ID, PAD_ID, padding_mask
+from seq2seq.inference.constraints import ConstrainedBeams, Constraints, padded
 
 
 class SearchCache(Protocol):
@@ -80,6 +86,55 @@ def max_output_lengths(src: Tensor, config: DecodeConfig) -> Tensor:
     return (config.max_len_a * src_lengths.float() + config.max_len_b).floor().long().clamp(min=1)
 
 
+@dataclass(frozen=True)
+class Guidance:
+    """Per sentence of a batch: a target prefix to force ([] for none) and target phrases that must
+    appear ([] for none), as token ids; and the ids of the pieces that continue a word
+    (constraints.Constraints says why)."""
+
+    prefixes: list[list[int]]
+    constraints: list[list[list[int]]]
+    continuations: frozenset[int] = frozenset()
+
+    @classmethod
+    def none(cls, sentences: int) -> Guidance:
+        return cls([[] for _ in range(sentences)], [[] for _ in range(sentences)])
+
+    def limits(self, lengths: Tensor) -> Tensor:
+        """The length limits (B,) with room for the guidance: a prefix raises a sentence's limit to
+        its length + 1 (guidance_limit), the constraint tokens add to it."""
+        prefixes = [len(prefix) for prefix in self.prefixes]
+        extra = [sum(len(phrase) for phrase in phrases) for phrases in self.constraints]
+        limits = [guidance_limit(limit, prefix) + added
+                  for limit, prefix, added in zip(lengths.tolist(), prefixes, extra)]  # fmt: skip
+        return torch.tensor(limits, dtype=torch.long, device=lengths.device)
+
+    def prefix_table(self, device: torch.device) -> Tensor | None:
+        """(B, longest prefix) of prefix token ids, -1 past each prefix's end; None without prefixes."""
+        longest = max(map(len, self.prefixes), default=0)
+        if not longest:
+            return None
+        rows = [prefix + [-1] * (longest - len(prefix)) for prefix in self.prefixes]
+        return torch.tensor(rows, dtype=torch.long, device=device)
+
+    def subset(self, sentences: list[int]) -> Guidance:
+        return Guidance([self.prefixes[i] for i in sentences], [self.constraints[i] for i in sentences],
+                        self.continuations)  # fmt: skip
+
+    def repeated(self, times: int) -> Guidance:
+        """Each sentence's guidance `times` times in a row (sampling draws a line several times)."""
+        return Guidance([p for p in self.prefixes for _ in range(times)],
+                        [c for c in self.constraints for _ in range(times)], self.continuations)  # fmt: skip
+
+
+def _forced(table: Tensor | None, step: int, beam: int = 1) -> Tensor | None:
+    """(N,) this step's prefix token of each row (-1 where none), or None once every prefix is done."""
+    if table is None or step >= table.size(1):
+        return None
+    column = table[:, step]
+    return column.repeat_interleave(beam) if beam > 1 else column
+
+
 def length_normalized(log_prob: float, length: int, config: DecodeConfig) -> float:
     """`length` counts the output tokens with their EOS (without, for an output cut at the length
     limit: no EOS was emitted). The formula lives in DecodeConfig, which the CTranslate2 engine
@@ -100,10 +155,18 @@ def beam_step(log_probs: Tensor, scores: Tensor, width: int) -> tuple[Tensor, Te
 
 
 def _next_log_probs(
-    logits: Tensor, step: int, max_lengths: Tensor, config: DecodeConfig, prefixes: Tensor, *, shortest_limit: int
+    logits: Tensor,
+    step: int,
+    max_lengths: Tensor,
+    config: DecodeConfig,
+    prefixes: Tensor,
+    *,
+    shortest_limit: int,
+    forced: Tensor | None = None,
 ) -> Tensor:
     """(N, V) logits -> log-probs with PAD/BOS banned, EOS banned before min_len and forced at max
-    length, and (with no_repeat_ngram) tokens banned that would repeat an n-gram of the prefix.
+    length, (with no_repeat_ngram) tokens banned that would repeat an n-gram of the prefix, and
+    (with `forced`, (N,) ids or -1) a target prefix's token the only one allowed, at log-probability 0.
 
     `shortest_limit` is the smallest length limit of the batch, known on the host: before it no row
     can be at its limit, so the step asks the device nothing (a GPU is never waited for here)."""
@@ -118,6 +181,9 @@ def _next_log_probs(
         at_limit = max_lengths <= step  # (N,)
         log_probs.masked_fill_(at_limit.unsqueeze(1), -math.inf)
         log_probs[:, EOS_ID].masked_fill_(at_limit, 0.0)
+    if forced is not None:  # without reading the device: rows with no prefix token keep their values
+        pinned = torch.full_like(log_probs, -math.inf).scatter_(1, forced.clamp(min=0).unsqueeze(1), 0.0)
+        log_probs = torch.where((forced >= 0).unsqueeze(1), pinned, log_probs)
     return log_probs
 
 
@@ -134,7 +200,12 @@ def _ban_repeated_ngrams(log_probs: Tensor, output: Tensor, n: int) -> None:
 
 @torch.no_grad()
 def greedy_search(
-    model: Decoder, src: Tensor, config: DecodeConfig, *, generator: torch.Generator | None = None
+    model: Decoder,
+    src: Tensor,
+    config: DecodeConfig,
+    *,
+    generator: torch.Generator | None = None,
+    guidance: Guidance | None = None,
 ) -> list[list[Hypothesis]]:
     """The most likely next token at every step, for a batch of source sentences (B, S); with a
     `generator`, a token drawn from sampling_distribution instead (sample_search).
@@ -144,9 +215,11 @@ def greedy_search(
     src_mask = padding_mask(src)
     memory = model.encode(src, src_mask)
     cache = model.new_cache()
-    max_lengths = max_output_lengths(src, config)
+    guidance = guidance or Guidance.none(src.size(0))
+    max_lengths = guidance.limits(max_output_lengths(src, config))
     limits = max_lengths.tolist()  # per original sentence, on the host
     shortest_limit = min(limits)
+    prefix_table = guidance.prefix_table(src.device)
     active = list(range(src.size(0)))  # original index of each row still decoding
     prefixes = torch.full((src.size(0), 1), BOS_ID, dtype=torch.long, device=src.device)
     totals = torch.zeros(src.size(0), device=src.device)
@@ -154,7 +227,8 @@ def greedy_search(
     step = 0
     while active:
         logits = model.decode(prefixes[:, -1:], memory, src_mask, cache)[:, -1]
-        log_probs = _next_log_probs(logits, step, max_lengths, config, prefixes, shortest_limit=shortest_limit)
+        log_probs = _next_log_probs(logits, step, max_lengths, config, prefixes, shortest_limit=shortest_limit,
+                                    forced=_forced(prefix_table, step))  # fmt: skip
         if generator is None:
             best_log_prob, best = log_probs.max(-1)
         else:
@@ -173,6 +247,7 @@ def greedy_search(
             active = [active[row] for row in keep.tolist()]
             prefixes, totals, max_lengths = prefixes[keep], totals[keep], max_lengths[keep]
             memory, src_mask = memory.index_select(0, keep), src_mask.index_select(0, keep)
+            prefix_table = None if prefix_table is None else prefix_table[keep]
             cache.select(keep, keep)
             best = best[keep]
         prefixes = torch.cat([prefixes, best.unsqueeze(1)], dim=1)
@@ -180,19 +255,26 @@ def greedy_search(
 
 
 @torch.no_grad()
-def beam_search(model: Decoder, src: Tensor, config: DecodeConfig) -> list[list[Hypothesis]]:
+def beam_search(
+    model: Decoder, src: Tensor, config: DecodeConfig, *, guidance: Guidance | None = None
+) -> list[list[Hypothesis]]:
     """Batched beam search; each sentence keeps its `nbest` best finished hypotheses, best first.
 
     Which sentences are done is decided on the host from counts it keeps; the device is read once
-    per step for the hypotheses that ended (their rows, tokens and scores, in three reads)."""
+    per step for the hypotheses that ended (their rows, tokens and scores, in three reads), and for
+    the candidates of sentences with constraints."""
     beam, enough = config.beam, config.finished_per_sentence
     batch = src.size(0)
     src_mask = padding_mask(src)
     memory = model.encode(src, src_mask)  # (B, S, d): one row per sentence, shared by its beams
     cache = model.new_cache()
-    max_lengths = max_output_lengths(src, config)
+    guidance = guidance or Guidance.none(batch)
+    max_lengths = guidance.limits(max_output_lengths(src, config))
     limits = max_lengths.tolist()  # per original sentence, on the host
     shortest_limit = min(limits)
+    prefix_table = guidance.prefix_table(src.device)
+    constrained = {index: ConstrainedBeams(Constraints(phrases, guidance.continuations), beam)
+                   for index, phrases in enumerate(guidance.constraints) if any(phrases)}  # fmt: skip
     active = list(range(batch))
     scores = torch.full((batch, beam), -math.inf, device=src.device)
     scores[:, 0] = 0.0  # all beams start identical: only the first may expand
@@ -202,7 +284,8 @@ def beam_search(model: Decoder, src: Tensor, config: DecodeConfig) -> list[list[
     while active:
         logits = model.decode(prefixes[:, -1:], memory, src_mask, cache)[:, -1]
         row_max = max_lengths.repeat_interleave(beam)
-        log_probs = _next_log_probs(logits, step, row_max, config, prefixes, shortest_limit=shortest_limit)
+        log_probs = _next_log_probs(logits, step, row_max, config, prefixes, shortest_limit=shortest_limit,
+                                    forced=_forced(prefix_table, step, beam))  # fmt: skip
         log_probs = log_probs.view(len(active), beam, -1)
         cand_scores, cand_tokens, cand_beams = beam_step(log_probs, scores, 2 * beam)
         # An EOS among the top `beam` candidates ends a hypothesis (fairseq's rule; keeps beam 1 == greedy).
@@ -210,11 +293,20 @@ def beam_search(model: Decoder, src: Tensor, config: DecodeConfig) -> list[list[
         if step + 1 >= shortest_limit:  # at a sentence's last token its best `beam` candidates all end
             at_limit = torch.tensor([limits[i] <= step + 1 for i in active], device=src.device)
             ends |= (cand_scores[:, :beam] > -math.inf) & at_limit.unsqueeze(1)
+        guided = [row for row, index in enumerate(active) if index in constrained]
+        if guided:  # their hypotheses end by the constraints' rule below
+            ends[guided] = False
         _finish(finished, active, prefixes, cand_scores, cand_tokens, cand_beams, ends, config)
         # The best `beam` non-EOS candidates continue.
         open_scores = cand_scores.masked_fill(cand_tokens == EOS_ID, -math.inf)
-        scores, pick = open_scores.topk(beam, dim=-1)
+        previous, (scores, pick) = scores, open_scores.topk(beam, dim=-1)
         tokens, beams = cand_tokens.gather(1, pick), cand_beams.gather(1, pick)
+        for row in guided:
+            index = active[row]
+            last = limits[index] <= step + 1
+            ended, continuing = constrained[index].step(log_probs[row], previous[row], at_limit=last)
+            _finish_constrained(finished[index], prefixes[row * beam : (row + 1) * beam], ended, config)
+            scores[row], tokens[row], beams[row] = padded(continuing, beam, src.device)
         rows = (torch.arange(len(active), device=src.device).unsqueeze(1) * beam + beams).view(-1)
         cache.reorder(rows)
         prefixes = torch.cat([prefixes.index_select(0, rows), tokens.view(-1, 1)], dim=1)
@@ -228,6 +320,7 @@ def beam_search(model: Decoder, src: Tensor, config: DecodeConfig) -> list[list[
             scores, max_lengths = scores[keep], max_lengths[keep]
             prefixes = prefixes.index_select(0, keep_rows)
             memory, src_mask = memory.index_select(0, keep), src_mask.index_select(0, keep)
+            prefix_table = None if prefix_table is None else prefix_table[keep]
             cache.select(keep_rows, keep)
     return [sorted(hyps, key=lambda h: h.score, reverse=True)[: config.nbest] for hyps in finished]
 
@@ -257,6 +350,17 @@ def _finish(
         finished[active[row]].append(Hypothesis(tokens, length_normalized(total, length, config), total))
 
 
+def _finish_constrained(finished: list[Hypothesis], prefixes: Tensor, ended: list, config: DecodeConfig) -> None:
+    """Keep a constrained sentence's ended candidates (constraints.Candidate) as finished hypotheses;
+    `prefixes` holds its beams' outputs so far."""
+    outputs = prefixes[:, 1:].tolist() if ended else []
+    for candidate in ended:
+        tokens = outputs[candidate.beam]
+        length = len(tokens) + 1  # with its EOS, or with the token that reached the limit
+        tokens = tokens if candidate.token == EOS_ID else [*tokens, candidate.token]
+        finished.append(Hypothesis(tokens, length_normalized(candidate.score, length, config), candidate.score))
+
+
 def sampling_distribution(log_probs: Tensor, config: DecodeConfig) -> Tensor:
     """(N, V) next-token log-probs -> the distribution samples are drawn from: logits divided by the
     temperature, then only the top_k most likely tokens, then of those (renormalised) the most likely
@@ -280,25 +384,33 @@ def sampling_distribution(log_probs: Tensor, config: DecodeConfig) -> Tensor:
 
 
 def sample_search(
-    model: Decoder, src: Tensor, config: DecodeConfig, generator: torch.Generator
+    model: Decoder, src: Tensor, config: DecodeConfig, generator: torch.Generator, *, guidance: Guidance | None = None
 ) -> list[list[Hypothesis]]:
     """`nbest` outputs per source sentence, each drawn token by token from sampling_distribution
     (back-translation, diverse n-best lists); ranked like any n-best list by their normalised
     log-probability under the model (not under the filtered distribution)."""
-    draws = greedy_search(model, src.repeat_interleave(config.nbest, dim=0), config, generator=generator)
+    repeated = guidance.repeated(config.nbest) if guidance is not None else None
+    draws = greedy_search(model, src.repeat_interleave(config.nbest, dim=0), config, generator=generator,
+                          guidance=repeated)  # fmt: skip
     grouped = [sum(draws[i : i + config.nbest], []) for i in range(0, len(draws), config.nbest)]
     return [sorted(hypotheses, key=lambda h: h.score, reverse=True) for hypotheses in grouped]
 
 
 def search(
-    model: Decoder, src: Tensor, config: DecodeConfig, *, generator: torch.Generator | None = None
+    model: Decoder,
+    src: Tensor,
+    config: DecodeConfig,
+    *,
+    generator: torch.Generator | None = None,
+    guidance: Guidance | None = None,
 ) -> list[list[Hypothesis]]:
     """Sampling when asked for (with `generator`, seeded by the caller), else greedy when beam is 1
-    and one hypothesis is asked for, else beam search."""
+    and no sentence has constraints, else beam search (constraints need its candidates, even at beam 1)."""
+    constrained = guidance is not None and any(map(any, guidance.constraints))
     if config.sample:
-        if generator is None:
-            raise ValueError("sampling needs a seeded torch.Generator")
-        return sample_search(model, src, config, generator)
-    if config.beam == 1:
-        return greedy_search(model, src, config)
-    return beam_search(model, src, config)
+        if generator is None or constrained:
+            raise ValueError("sampling needs a seeded torch.Generator and no constraints")
+        return sample_search(model, src, config, generator, guidance=guidance)
+    if config.beam == 1 and not constrained:
+        return greedy_search(model, src, config, guidance=guidance)
+    return beam_search(model, src, config, guidance=guidance)
