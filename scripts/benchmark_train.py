@@ -27,11 +27,9 @@ out, to measure what it costs and saves.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import math
 import multiprocessing
-import platform
 import sys
 import tempfile
 import time
@@ -51,7 +49,7 @@ from seq2seq.data.tokenizer import Tokenizer, load_or_train_tokenizer
 from seq2seq.errors import UserInputError
 from seq2seq.model.transformer import build_model, sinusoidal_positions
 from seq2seq.training.host_memory import HEAP_TRIM_EVERY, release_free_heap
-from seq2seq.training.precision import cpu_has_native_bf16
+from seq2seq.training.precision import cpu_has_native_bf16, describe_machine
 from seq2seq.training.run_log import PeakRss, current_rss_mb, peak_memory_mb
 from seq2seq.training.train_step import build_optimizer, build_scaler, compile_for_training, train_step
 
@@ -299,24 +297,8 @@ def main() -> int:
     return 0
 
 
-def machine() -> str:
-    """The GPU's name, or the CPU's model and the instruction sets that decide its speed."""
-    if DEVICE.type == "cuda":
-        return torch.cuda.get_device_name()
-    model, flags = platform.processor() or "unknown CPU", set()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                model = value.strip()
-            elif key.strip() == "flags":
-                flags = set(value.split())
-    isa = [flag for flag in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if flag in flags]
-    return f"{model} ({' '.join(isa) or 'no AVX2'})"
-
-
 def report(args, rates: dict[str, float], results: dict, preparation_peak: float) -> None:
-    device = machine() if DEVICE.type == "cuda" else f"{machine()}, {args.threads} threads"
+    device = describe_machine(DEVICE) + ("" if DEVICE.type == "cuda" else f", {args.threads} threads")
     print(f"config {args.config} + {' '.join(MODELS[args.model])}{' (compiled)' if args.compile else ''}")
     print(f"{device}; {args.max_tokens} tokens/batch (the same batches for every side, epoch after epoch)")
     print(f"matmul rate here: fp32 {rates['fp32'] / 1e9:,.0f} GFLOP/s, bf16 {rates['bf16'] / 1e9:,.0f} GFLOP/s")
