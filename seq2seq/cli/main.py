@@ -149,6 +149,12 @@ def _launch_torchrun(nproc: int, config: Path, overrides: list[str], run_dir: Pa
 CheckpointOption = Annotated[
     Path, typer.Option("--checkpoint", "-c", help="A checkpoint (.pt), or a directory from `seq2seq export`.")
 ]
+CheckpointsOption = Annotated[
+    list[Path],
+    typer.Option(
+        "--checkpoint", "-c", help="A checkpoint (.pt) or a directory from `seq2seq export`; repeat for an ensemble."
+    ),
+]
 BeamOption = Annotated[
     Optional[int],  # noqa: UP045
     typer.Option(
@@ -167,7 +173,7 @@ def _decode_overrides(overrides: list[str] | None, beam: int | None, nbest: int 
 @app.command()
 @user_errors
 def translate(
-    checkpoint: CheckpointOption,
+    checkpoint: CheckpointsOption,
     input: Annotated[str, typer.Option("--input", "-i", help="Source file, or - for stdin.")] = "-",
     output: Annotated[str, typer.Option("--output", "-o", help="Output file, or - for stdout.")] = "-",
     beam: BeamOption = None,
@@ -180,17 +186,41 @@ def translate(
         Optional[Path],  # noqa: UP045
         typer.Option("--attention-plot", help="Write cross-attention heatmaps (PNG) of the first lines here."),
     ] = None,
+    prefix: Annotated[
+        Optional[Path],  # noqa: UP045
+        typer.Option("--prefix", help="Target prefixes, one per input line (empty: none); outputs start with them."),
+    ] = None,
+    constraints: Annotated[
+        Optional[Path],  # noqa: UP045
+        typer.Option(
+            "--constraints",
+            help="Target phrases each output must contain: one line per input line, "
+            "phrases separated by tabs (checkpoints only).",
+        ),  # fmt: skip
+    ] = None,
+    glossary: Annotated[
+        Optional[Path],  # noqa: UP045
+        typer.Option(
+            "--glossary",
+            help="TSV 'source term<TAB>target term': lines with a source term must contain "
+            "its target term (checkpoints only).",
+        ),  # fmt: skip
+    ] = None,
 ) -> None:
     """Translate text, one sentence per line.
 
     Examples:
       seq2seq translate -c runs/demo/checkpoints/last.pt -i test.en -o test.out --beam 5
       echo "the cat sleeps" | seq2seq translate -c runs/demo/checkpoints/best.pt
+      seq2seq translate -c runs/bible/checkpoints/step_00009000.pt -c runs/bible/checkpoints/step_00010000.pt -i test.en
+      seq2seq translate -c best.pt -i test.en --glossary terms.tsv --prefix prefixes.txt
+      seq2seq translate -c reverse.pt -i mono.es --set decode.sample=true --set decode.top_k=10 -o synthetic.en
     """
-    from seq2seq.inference.translator import translate_file
+    from seq2seq.inference.translator import LineGuides, translate_file
 
+    guides = LineGuides(prefixes=prefix, constraints=constraints, glossary=glossary)
     written = translate_file(checkpoint, source=input, output=output, decode_overrides=_decode_overrides(
-        overrides, beam, nbest), stream=stream, attention_plot=attention_plot)  # fmt: skip
+        overrides, beam, nbest), stream=stream, attention_plot=attention_plot, guides=guides)  # fmt: skip
     if written:
         typer.echo(f"attention plots: {', '.join(map(str, written))}", err=True)
 
@@ -198,7 +228,7 @@ def translate(
 @app.command("score-pairs")
 @user_errors
 def score_pairs(
-    checkpoint: CheckpointOption,
+    checkpoint: CheckpointsOption,
     src: Annotated[Path, typer.Option("--src", help="Source sentences, one per line.", show_default=False)],
     tgt: Annotated[Path, typer.Option("--tgt", help="Their given translations, one per line.", show_default=False)],
     output: Annotated[str, typer.Option("--output", "-o", help="Output file, or - for stdout.")] = "-",
@@ -250,7 +280,7 @@ def _score_options(metrics: str, tokenize: str | None, lowercase: bool):
 @app.command("eval")
 @user_errors
 def evaluate(
-    checkpoint: CheckpointOption,
+    checkpoint: CheckpointsOption,
     src: Annotated[Path, typer.Option("--src", help="Source sentences, one per line.")],
     refs: RefsOption,
     beam: BeamOption = None,

@@ -62,6 +62,14 @@ class Tokenizer:
         it (⁇), as the CTranslate2 engine shows it: a reader sees that something was not known."""
         return self.tgt_model.decode([i for i in ids if i not in (PAD_ID, BOS_ID, EOS_ID)])
 
+    def tgt_word_continuations(self) -> frozenset[int]:
+        """The target pieces that continue a word: those without SentencePiece's word-start mark ▁
+        (special pieces excluded)."""
+        model = self.tgt_model
+        return frozenset(i for i in range(model.get_piece_size())
+                         if not model.id_to_piece(i).startswith("\u2581") and not model.is_control(i)
+                         and not model.is_unknown(i))  # fmt: skip
+
     def src_pieces(self, line: str) -> list[str]:
         return self.src_model.encode(line, out_type=str, add_eos=True)
 

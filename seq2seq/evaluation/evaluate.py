@@ -47,7 +47,7 @@ def translate_and_score(
 
 
 def evaluate_files(
-    model: Path,
+    model: Path | list[Path],
     *,
     src: Path,
     refs: list[Path],
@@ -57,7 +57,8 @@ def evaluate_files(
     hypotheses_path: Path | None = None,
     json_path: Path | None = None,
 ) -> Evaluation:
-    """`seq2seq eval`: translate the file `src` with a checkpoint or exported model, score against the
+    """`seq2seq eval`: translate the file `src` with a checkpoint, an exported model or an ensemble of
+    checkpoints (a list), score against the
     reference files `refs`, write the reports. Every input and output is checked before translating."""
     for path in (hypotheses_path, json_path):
         if path is not None:
@@ -72,7 +73,8 @@ def evaluate_files(
     if hypotheses_path:
         write_text_atomic(hypotheses_path, "".join(h + "\n" for h in evaluation.hypotheses))
     if json_path:
-        report = {**evaluation.scores.to_dict(), "model": str(model), "engine": translator.engine, "src": str(src),
+        named = ", ".join(map(str, model)) if isinstance(model, list) else str(model)
+        report = {**evaluation.scores.to_dict(), "model": named, "engine": translator.engine, "src": str(src),
                   "refs": [str(r) for r in refs], "beam": decode.beam}  # fmt: skip
         write_text_atomic(json_path, json.dumps(report, indent=2) + "\n")
     return evaluation

@@ -105,17 +105,23 @@ class ConstrainedBeams:
         self.constraints, self.beam = constraints, beam
         self.states = [constraints.initial] * beam
 
-    def step(self, log_probs: Tensor, scores: Tensor, *, at_limit: bool) -> tuple[list[Candidate], list[Candidate]]:
+    def step(
+        self, log_probs: Tensor, scores: Tensor, *, at_limit: bool, none_finished: bool
+    ) -> tuple[list[Candidate], list[Candidate]]:
         """log_probs (K, V) of the next token of each beam, scores (K,) of the beams so far ->
         (the candidates that end a hypothesis, the `beam` candidates that continue, best first; fewer
-        when fewer are alive). The beams' states move to the continuing candidates'."""
-        candidates = self._candidates(log_probs, scores)
-        complete = sorted((c for c in candidates if self.constraints.complete(c.state)), key=_by_score)
-        if at_limit:  # every hypothesis ends now: the best complete ones (the others only if none is)
-            ending = complete or sorted(candidates, key=_by_score)
-            return ending[: self.beam], []
-        ended = [c for c in sorted(candidates, key=_by_score)[: self.beam] if c.token == EOS_ID]
-        continuing = self._allocate([c for c in candidates if c.token != EOS_ID])
+        when fewer are alive). The beams' states move to the continuing candidates'. At the length
+        limit the best complete candidates end; incomplete ones only if the sentence has no output
+        yet (a phrase that cannot be produced: banned by no_repeat_ngram or a prefix)."""
+        ranked = sorted(self._candidates(log_probs, scores), key=_by_score)
+        if at_limit:
+            complete = [c for c in ranked if self.constraints.complete(c.state)]
+            return (complete or (ranked if none_finished else []))[: self.beam], []
+        ended = [c for c in ranked[: self.beam] if c.token == EOS_ID]  # EOS among the best, as in any search
+        reserved = self._most_advanced(ranked)
+        if reserved is not None and reserved.token == EOS_ID and reserved not in ended:
+            ended.append(reserved)  # the reserved slot's hypothesis ends where the model ends it
+        continuing = self._allocate([c for c in ranked if c.token != EOS_ID])
         self.states = [c.state for c in continuing] + [self.constraints.initial] * (self.beam - len(continuing))
         return ended, continuing
 
@@ -127,27 +133,39 @@ class ConstrainedBeams:
         vocab = totals.size(1)
         pairs = {divmod(flat, vocab) for flat in totals.view(-1).topk(2 * self.beam).indices.tolist()}
         pairs.update(enumerate(totals.argmax(-1).tolist()))
+        closing = [k for k, state in enumerate(self.states) if state.closing is not None]
+        if closing and self.constraints.continuations:  # the best way to keep a just-met phrase a whole word
+            words = totals[closing].masked_fill(self._continuation_mask(vocab, totals.device), -math.inf)
+            pairs.update(zip(closing, words.argmax(-1).tolist()))
         pairs.update((k, token) for k, state in enumerate(self.states) for token in self.constraints.wanted(state))
         ordered = sorted(pairs)
         values = totals[[k for k, _ in ordered], [token for _, token in ordered]].tolist()
         return [Candidate(value, k, token, self._after(k, token))
                 for (k, token), value in zip(ordered, values) if value > -math.inf]  # fmt: skip
 
+    def _continuation_mask(self, vocab: int, device: torch.device) -> Tensor:
+        mask = torch.zeros(vocab, dtype=torch.bool, device=device)
+        mask[list(self.constraints.continuations)] = True
+        return mask
+
     def _after(self, beam: int, token: int) -> ConstraintState:
         state = self.states[beam]
         return state if token == EOS_ID else self.constraints.advance(state, token)
 
-    def _allocate(self, candidates: list[Candidate]) -> list[Candidate]:
-        """The best `beam` candidates, one of them from the most advanced bank; best first."""
-        ranked = sorted(candidates, key=_by_score)
-        if not ranked:
-            return []
-        top = max(self.constraints.met_tokens(c.state) for c in ranked)
+    def _allocate(self, ranked: list[Candidate]) -> list[Candidate]:
+        """The best `beam` of the `ranked` candidates, one of them from the most advanced bank; best first."""
         chosen = ranked[: self.beam]
-        if all(self.constraints.met_tokens(c.state) < top for c in chosen):
-            best_top = next(c for c in ranked if self.constraints.met_tokens(c.state) == top)
-            chosen = chosen[: self.beam - 1] + [best_top]
-        return sorted(chosen, key=_by_score)
+        reserved = self._most_advanced(ranked)
+        if reserved is not None and reserved not in chosen:
+            chosen = [*chosen[: self.beam - 1], reserved]
+        return chosen
+
+    def _most_advanced(self, ranked: list[Candidate]) -> Candidate | None:
+        """The best of the `ranked` candidates that have met the most constraint tokens."""
+        if not ranked:
+            return None
+        met = [self.constraints.met_tokens(c.state) for c in ranked]
+        return ranked[met.index(max(met))]
 
 
 def _by_score(candidate: Candidate) -> float:

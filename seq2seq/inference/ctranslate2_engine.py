@@ -6,7 +6,10 @@ end a sentence when beam x patience hypotheses have ended or at its length limit
 settings map one to one onto CTranslate2's options, so the float32 parity gate checks the export,
 not two algorithms (tests/deploy/test_export.py: equal n-best lists under every setting). `gnmt`
 ((5 + len) / 6)^alpha is the exception: CTranslate2 has no such option, so its beam keeps the
-finished hypotheses that length^alpha ranks best and they are re-ranked here by gnmt.
+finished hypotheses that length^alpha ranks best and they are re-ranked here by gnmt. A target
+prefix goes in as CTranslate2's `target_prefix`, scored as our search scores it (the chosen tokens'
+log-probability over the whole output's length); terminology constraints and ensembles have no
+CTranslate2 form (its issues #739, #273) and are refused with one line.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from pathlib import Path
 import ctranslate2
 import sentencepiece as spm
 
-from seq2seq.config import DecodeConfig, config_from_dict
+from seq2seq.config import DecodeConfig, config_from_dict, guidance_limit
 from seq2seq.data.sources import normalize
 from seq2seq.errors import UserInputError
 from seq2seq.inference.engine import EXPORT_METADATA, Engine, PairScore, Translation, read_export_metadata
@@ -53,15 +56,28 @@ class CTranslate2Engine:
                  tgt: spm.SentencePieceProcessor) -> None:  # fmt: skip
         self.runtime, self.src, self.tgt = runtime, src, tgt
 
-    def translate(self, lines: list[str], decode: DecodeConfig, progress: bool) -> list[Translation]:
+    def translate(
+        self,
+        lines: list[str],
+        decode: DecodeConfig,
+        progress: bool,
+        *,
+        prefixes: list[str] | None = None,
+        constraints: list[list[str]] | None = None,
+    ) -> list[Translation]:
         if decode.sample and decode.epsilon:
             raise UserInputError("decode.epsilon: CTranslate2 has no epsilon sampling; set decode.epsilon=0 or "
                                  "translate with the checkpoint")  # fmt: skip
+        if constraints:  # Translator refuses them before they get here
+            raise ValueError("CTranslate2 has no constrained search")
         texts = [normalize(line) for line in lines]
         rows = [index for index, text in enumerate(texts) if text]  # an empty line stays empty
         pieces = self.src.encode([texts[index] for index in rows], out_type=str)
+        forced = self.tgt.encode([normalize(prefixes[index]) for index in rows], out_type=str) if prefixes else None
         limits = [_length_limit(len(sentence) + 1, decode) for sentence in pieces]  # + the EOS CTranslate2 adds
-        outputs = _translate(self.runtime, pieces, limits, decode)
+        if forced is not None:
+            limits = [guidance_limit(limit, len(prefix)) for limit, prefix in zip(limits, forced)]
+        outputs = _translate(self.runtime, pieces, limits, decode, forced)
         results = [Translation([]) for _ in lines]
         for position, output in enumerate(outputs):
             nbest = [(self.tgt.decode(tokens), score) for tokens, score in zip(output.hypotheses, output.scores)]
@@ -83,6 +99,7 @@ def _translate(
     pieces: list[list[str]],
     limits: list[int],
     decode: DecodeConfig,
+    prefixes: list[list[str]] | None = None,
 ) -> list:
     """CTranslate2's outputs in input order, each with `hypotheses` and `scores`, best first.
 
@@ -105,8 +122,10 @@ def _translate(
         by_limit[limit].extend([position] * draws)
     submitted = []
     for limit, members in by_limit.items():
+        prefix = {"target_prefix": [prefixes[position] or None for position in members]} if prefixes else {}
         pending = engine.translate_batch(
             [pieces[position] for position in members],
+            **prefix,
             asynchronous=True,
             **search,
             return_scores=True,

@@ -49,7 +49,17 @@ class Engine(Protocol):
 
     name: str  # "pytorch", "ctranslate2": reports and /health say which engine answered
 
-    def translate(self, lines: list[str], decode: DecodeConfig, progress: bool) -> list[Translation]: ...
+    def translate(
+        self,
+        lines: list[str],
+        decode: DecodeConfig,
+        progress: bool,
+        *,
+        prefixes: list[str] | None = None,
+        constraints: list[list[str]] | None = None,
+    ) -> list[Translation]:
+        """`prefixes`: per line, target text the output must start with ("" for none); `constraints`:
+        per line, target phrases the output must contain (engines without constrained search refuse them)."""
 
     def score(self, sources: list[str], targets: list[str], decode: DecodeConfig) -> list[PairScore]:
         """Each target's log-probabilities given its source (length normalisation from `decode`)."""

@@ -14,7 +14,7 @@ from seq2seq.data.special_tokens import BOS_ID, EOS_ID
 from seq2seq.data.tokenizer import Tokenizer
 from seq2seq.inference.engine import PairScore, Translation
 from seq2seq.inference.graphed_decoder import GraphedDecoder, graphs_apply
-from seq2seq.inference.search import search
+from seq2seq.inference.search import Guidance, search
 
 
 class PyTorchEngine:
@@ -25,8 +25,17 @@ class PyTorchEngine:
     def __init__(self, model: torch.nn.Module, tokenizer: Tokenizer) -> None:
         self.model, self.tokenizer = model, tokenizer
 
-    def translate(self, lines: list[str], decode: DecodeConfig, progress: bool) -> list[Translation]:
-        return translate_lines(self.model, self.tokenizer, lines, decode, progress=progress)
+    def translate(
+        self,
+        lines: list[str],
+        decode: DecodeConfig,
+        progress: bool,
+        *,
+        prefixes: list[str] | None = None,
+        constraints: list[list[str]] | None = None,
+    ) -> list[Translation]:
+        return translate_lines(self.model, self.tokenizer, lines, decode, progress=progress, prefixes=prefixes,
+                               constraints=constraints)  # fmt: skip
 
     @torch.no_grad()
     def score(self, sources: list[str], targets: list[str], decode: DecodeConfig) -> list[PairScore]:
@@ -56,8 +65,11 @@ def translate_lines(
     config: DecodeConfig,
     *,
     progress: bool = False,
+    prefixes: list[str] | None = None,
+    constraints: list[list[str]] | None = None,
 ) -> list[Translation]:
-    """Translate many lines at once; output order equals input order.
+    """Translate many lines at once; output order equals input order. `prefixes` and `constraints`
+    (engine.Engine.translate) guide the lines that have them.
 
     On a CUDA GPU our model decodes through CUDA graphs (graphed_decoder.py says why); the outputs
     are the same."""
@@ -66,6 +78,7 @@ def translate_lines(
     texts = [normalize(line) for line in lines]
     non_empty = np.array([i for i, text in enumerate(texts) if text], dtype=np.int64)
     encoded = tokenizer.encode_src([texts[i] for i in non_empty])
+    guidance = _encoded_guidance(tokenizer, non_empty.tolist(), prefixes, constraints)
     lengths = np.array([len(ids) for ids in encoded], dtype=np.int64)
     results: list[Translation] = [Translation([]) for _ in lines]  # an empty line stays empty
     batches = token_batches(lengths, max_tokens=config.batch_tokens)
@@ -74,7 +87,21 @@ def translate_lines(
         bar.update(len(lines) - len(non_empty))
         for indices in batches:
             src = pad([encoded[i] for i in indices]).to(device)
-            for index, hyps in zip(non_empty[indices].tolist(), search(decoder, src, config, generator=generator)):
+            found = search(decoder, src, config, generator=generator, guidance=guidance.subset(indices.tolist()))
+            for index, hyps in zip(non_empty[indices].tolist(), found):
                 results[index] = Translation([(tokenizer.decode_tgt(h.tokens), h.score) for h in hyps])
             bar.update(len(indices))
     return results
+
+
+def _encoded_guidance(tokenizer: Tokenizer, rows: list[int], prefixes: list[str] | None,
+                      constraints: list[list[str]] | None) -> Guidance:  # fmt: skip
+    """The guidance of the lines at `rows`, as target ids: phrases that encode to nothing are dropped."""
+    prefix_ids = tokenizer.encode_tgt([normalize(prefixes[row]) for row in rows]) if prefixes else [[] for _ in rows]
+    phrases = [[normalize(phrase) for phrase in constraints[row]] if constraints else [] for row in rows]
+    flat = tokenizer.encode_tgt([phrase for line in phrases for phrase in line])
+    grouped, start = [], 0
+    for line in phrases:
+        grouped.append([ids for ids in flat[start : start + len(line)] if ids])
+        start += len(line)
+    return Guidance(prefix_ids, grouped, tokenizer.tgt_word_continuations() if flat else frozenset())

@@ -304,7 +304,8 @@ def beam_search(
         for row in guided:
             index = active[row]
             last = limits[index] <= step + 1
-            ended, continuing = constrained[index].step(log_probs[row], previous[row], at_limit=last)
+            ended, continuing = constrained[index].step(log_probs[row], previous[row], at_limit=last,
+                                                        none_finished=not finished[index])  # fmt: skip
             _finish_constrained(finished[index], prefixes[row * beam : (row + 1) * beam], ended, config)
             scores[row], tokens[row], beams[row] = padded(continuing, beam, src.device)
         rows = (torch.arange(len(active), device=src.device).unsqueeze(1) * beam + beams).view(-1)

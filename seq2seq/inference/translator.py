@@ -4,11 +4,11 @@
     translator = Translator.load("runs/bible/checkpoints/best.pt")   # or an exported directory
     translator.translate(["In the beginning God created the heavens and the earth."], beam=5)
 
-A checkpoint (a .pt file) is decoded by our PyTorch search; a directory written by `seq2seq export`
-by CTranslate2. Both take the same decode settings (the model's `decode` section, overridable per
-call) and return the same `Translation` objects, so everything above (`translate`, `eval`, the
-parity gate) works with either. This module imports neither torch nor ctranslate2: `load` brings in
-the engine the path needs.
+A checkpoint (a .pt file) is decoded by our PyTorch search, several checkpoints as an ensemble
+(ensemble.py); a directory written by `seq2seq export` by CTranslate2. Both take the same decode
+settings (the model's `decode` section, overridable per call) and return the same `Translation`
+objects, so everything above (`translate`, `eval`, the parity gate) works with either. This module
+imports neither torch nor ctranslate2: `load` brings in the engine the path needs.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import io
 import itertools
 import sys
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -28,6 +29,7 @@ from seq2seq.data.sources import chunked, decode_lines, read_lines
 from seq2seq.errors import UserInputError
 from seq2seq.files import atomic_write, check_writable
 from seq2seq.inference.engine import EXPORT_METADATA, Engine, PairScore, Translation
+from seq2seq.inference.glossary import Glossary, constraint_fields, merged_constraints
 
 # A file is read, translated and written this many lines at a time, so memory stays flat however
 # long it is; within a chunk, lines are sorted by length into batches.
@@ -48,8 +50,13 @@ class Translator:
         return self._engine.name
 
     @classmethod
-    def load(cls, path: str | Path, *, device: str | None = None) -> Translator:
-        """A checkpoint file (PyTorch) or a directory from `seq2seq export` (CTranslate2)."""
+    def load(cls, path: str | Path | list[str | Path], *, device: str | None = None) -> Translator:
+        """A checkpoint file (PyTorch), several as an ensemble (a list; the first's decode settings),
+        or a directory from `seq2seq export` (CTranslate2)."""
+        if isinstance(path, (list, tuple)):
+            if len(path) > 1:
+                return cls._load_ensemble([Path(item) for item in path], device)
+            path = path[0]
         path = Path(path)
         if path.is_dir():
             if not (path / EXPORT_METADATA).is_file():
@@ -67,6 +74,26 @@ class Translator:
         return cls.from_model(bundle.model, bundle.tokenizer, bundle.config.decode, bundle=bundle)
 
     @classmethod
+    def _load_ensemble(cls, paths: list[Path], device: str | None) -> Translator:
+        import torch
+
+        from seq2seq.checkpoint import Checkpoint
+        from seq2seq.inference.ensemble import Ensemble
+
+        exported = [str(path) for path in paths if path.is_dir()]
+        if exported:
+            raise UserInputError(f"{', '.join(exported)}: an ensemble needs checkpoints (.pt); CTranslate2 decodes "
+                                 "one model")  # fmt: skip
+        checkpoints = [Checkpoint.load(path) for path in paths]
+        for path, checkpoint in zip(paths[1:], checkpoints[1:]):  # before any model is built
+            if checkpoint.tokenizer.protos() != checkpoints[0].tokenizer.protos():
+                raise UserInputError(f"{path}: its vocabulary differs from {paths[0]}'s; an ensemble's models must "
+                                     "share the source and target SentencePiece models")  # fmt: skip
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        ensemble = Ensemble([checkpoint.build_model(device) for checkpoint in checkpoints])
+        return cls.from_model(ensemble, checkpoints[0].tokenizer, checkpoints[0].config.decode)
+
+    @classmethod
     def from_model(cls, model: Any, tokenizer: Any, decode: DecodeConfig, *, bundle: Any = None) -> Translator:
         """Our PyTorch model in memory (validation translates with the model being trained)."""
         from seq2seq.inference.pytorch_engine import PyTorchEngine
@@ -80,12 +107,28 @@ class Translator:
         return decode_config_from(decode, typed, origin="options") if typed else decode
 
     def translate(self, lines: list[str], **options: Any) -> list[str]:
-        """The best translation of each line, e.g. translate(lines, beam=5)."""
+        """The best translation of each line, e.g. translate(lines, beam=5); the guidance keywords of
+        translate_nbest apply."""
         return [t.text for t in self.translate_nbest(lines, **{**options, "nbest": 1})]
 
-    def translate_nbest(self, lines: list[str], **options: Any) -> list[Translation]:
-        """Up to `nbest` (text, score) pairs per line, best first; scores are length-normalised log-probabilities."""
-        return self.translate_with(list(lines), self.settings(**options))
+    def translate_nbest(
+        self,
+        lines: list[str],
+        *,
+        prefixes: list[str] | None = None,
+        constraints: list[list[str]] | None = None,
+        glossary: Glossary | None = None,
+        **options: Any,
+    ) -> list[Translation]:
+        """Up to `nbest` (text, score) pairs per line, best first; scores are length-normalised log-probabilities.
+
+        prefixes: per line, the target text its output starts with ("" for none: interactive
+        translation, continuing a post-editor's words). constraints: per line, target phrases its
+        output must contain; glossary: a Glossary whose terms apply to the lines that contain their
+        source term (both checkpoint only)."""
+        lines = list(lines)
+        return self.translate_with(lines, self.settings(**options), prefixes=prefixes,
+                                   constraints=merged_constraints(lines, constraints, glossary))  # fmt: skip
 
     def score(self, sources: list[str], targets: list[str], **options: Any) -> list[PairScore]:
         """How likely the model finds each given target for its source (force-decoding): per-piece
@@ -98,13 +141,72 @@ class Translator:
             raise UserInputError(f"{len(sources)} sources but {len(targets)} targets; expected equal counts")
         return self._engine.score(sources, targets, decode)
 
-    def translate_with(self, lines: list[str], decode: DecodeConfig, *, progress: bool = False) -> list[Translation]:
-        """Translate with a complete decode config (overrides already applied)."""
-        return self._engine.translate(lines, decode, progress)
+    def check_constraints_apply(self, decode: DecodeConfig) -> None:
+        """Terminology constraints need our beam search: not sampling, not CTranslate2."""
+        if decode.sample:
+            raise UserInputError("terminology constraints need beam search; they cannot be sampled (decode.sample)")
+        if self.engine == "ctranslate2":
+            raise UserInputError("terminology constraints: CTranslate2 has no constrained search; translate with "
+                                 "the checkpoint (.pt) instead of the exported model")  # fmt: skip
+
+    def translate_with(
+        self,
+        lines: list[str],
+        decode: DecodeConfig,
+        *,
+        progress: bool = False,
+        prefixes: list[str] | None = None,
+        constraints: list[list[str]] | None = None,
+    ) -> list[Translation]:
+        """Translate with a complete decode config (overrides already applied) and per-line guidance."""
+        for name, given in (("prefixes", prefixes), ("constraints", constraints)):
+            if given is not None and len(given) != len(lines):
+                raise UserInputError(f"{name}: {len(given)} given for {len(lines)} lines; expected one per line")
+        if constraints is not None and not any(constraints):
+            constraints = None
+        if constraints is not None:
+            self.check_constraints_apply(decode)
+        return self._engine.translate(lines, decode, progress, prefixes=prefixes, constraints=constraints)
+
+
+@dataclass(frozen=True)
+class LineGuides:
+    """`seq2seq translate`'s guidance files: target prefixes and constraints (one line per input line)
+    and a glossary (glossary.py has the formats)."""
+
+    prefixes: Path | None = None
+    constraints: Path | None = None
+    glossary: Path | None = None
+
+    def check(self) -> Glossary | None:
+        """Fail on a missing file or a bad glossary line before anything is loaded; the glossary."""
+        for option, path in (("--prefix", self.prefixes), ("--constraints", self.constraints)):
+            if path is not None and not path.is_file():
+                problem = "is a directory" if path.is_dir() else "file not found"
+                raise UserInputError(f"{option} {path}: {problem}; expected a text file with one line per input line")
+        return Glossary.load(self.glossary) if self.glossary is not None else None
+
+    def aligned(self, lines: Iterable[str]) -> Iterator[tuple[str, str, list[str]]]:
+        """(line, prefix, constraints) for each input line; a guidance file of another length is one line."""
+        sides = {"input": iter(lines)}
+        if self.prefixes is not None:
+            sides[str(self.prefixes)] = read_lines(self.prefixes)
+        if self.constraints is not None:
+            sides[str(self.constraints)] = map(constraint_fields, read_lines(self.constraints, keep_tabs=True))
+        for number in itertools.count(1):
+            row = {name: next(side, None) for name, side in sides.items()}
+            present = [name for name, value in row.items() if value is not None]
+            if not present:
+                return
+            if len(present) != len(row):
+                short = [name for name in row if name not in present]
+                raise UserInputError(f"{', '.join(short)}: ends before line {number} of {', '.join(present)}; "
+                                     "expected one guidance line per input line")  # fmt: skip
+            yield row["input"], row.get(str(self.prefixes), ""), row.get(str(self.constraints), [])
 
 
 def translate_file(
-    model: Path,
+    model: Path | list[Path],
     *,
     source: str,
     output: str,
@@ -112,10 +214,11 @@ def translate_file(
     stream: bool,
     device: str | None = None,
     attention_plot: Path | None = None,
+    guides: LineGuides = LineGuides(),
 ) -> list[Path]:
-    """`seq2seq translate`: `model` is a checkpoint or an exported directory; `source` and `output` are
-    paths or "-" (stdin, stdout). With n-best > 1 each line becomes `index ||| text ||| score` lines.
-    Returns the attention plots written, if asked for."""
+    """`seq2seq translate`: `model` is a checkpoint, an exported directory or a list of checkpoints (an
+    ensemble); `source` and `output` are paths or "-" (stdin, stdout). With n-best > 1 each line
+    becomes `index ||| text ||| score` lines. Returns the attention plots written, if asked for."""
     if source != "-" and not Path(source).is_file():
         problem = "is a directory" if Path(source).is_dir() else "file not found"
         raise UserInputError(f"{source}: {problem}; expected a text file with one sentence per line (or - for stdin)")
@@ -123,16 +226,21 @@ def translate_file(
         check_writable(output)
     if attention_plot is not None and attention_plot.exists() and not attention_plot.is_dir():
         raise UserInputError(f"--attention-plot {attention_plot}: is a file; expected a folder for the PNG files")
+    glossary = guides.check()
     translator = Translator.load(model, device=device)
     decode = translator.settings(decode_overrides)
     if attention_plot is not None and translator.bundle is None:
-        raise UserInputError(f"--attention-plot: {model} is an exported model; attention maps need the checkpoint")
+        raise UserInputError(f"--attention-plot: {model} is not one checkpoint; attention maps need one")
+    if guides.constraints is not None or glossary is not None:
+        translator.check_constraints_apply(decode)
     lines_in = decode_lines(sys.stdin.buffer, "<stdin>") if source == "-" else read_lines(source)
-    chunks = ([line] for line in lines_in) if stream else chunked(lines_in, FILE_CHUNK_LINES)
+    rows = guides.aligned(lines_in)
+    chunks = ([row] for row in rows) if stream else chunked(rows, FILE_CHUNK_LINES)
     first_chunk = next(chunks, [])
     bar = tqdm(desc="translate", unit="sent", disable=source == "-" or stream)
+    guided = guides != LineGuides()
     results = (result for chunk in itertools.chain([first_chunk], chunks)
-               for result in _translated(translator, chunk, decode, bar))  # fmt: skip
+               for result in _translated(translator, chunk, decode, bar, glossary, guided=guided))  # fmt: skip
     with _output(output) as sink:
         for index, result in enumerate(results):
             if decode.nbest > 1:  # an empty input line keeps its row: the empty translation
@@ -146,8 +254,8 @@ def translate_file(
         return []
     from seq2seq.inference.attention_plot import ATTENTION_PLOT_LINES, plot_attention  # matplotlib when asked
 
-    return plot_attention(translator.bundle.model, translator.bundle.tokenizer, first_chunk[:ATTENTION_PLOT_LINES],
-                          attention_plot, decode)  # fmt: skip
+    lines = [line for line, _, _ in first_chunk[:ATTENTION_PLOT_LINES]]
+    return plot_attention(translator.bundle.model, translator.bundle.tokenizer, lines, attention_plot, decode)
 
 
 def score_file(model: Path, *, src: Path, tgt: Path, output: str, decode_overrides: list[str], per_token: bool,
@@ -183,7 +291,11 @@ def _output(output: str) -> Iterator[TextIO]:
         text.detach()  # atomic_write closes the file
 
 
-def _translated(translator: Translator, lines: list[str], decode: DecodeConfig, bar: tqdm) -> Iterator[Translation]:
-    results = translator.translate_with(lines, decode)
+def _translated(translator: Translator, rows: list[tuple[str, str, list[str]]], decode: DecodeConfig, bar: tqdm,
+                glossary: Glossary | None, *, guided: bool) -> Iterator[Translation]:  # fmt: skip
+    lines = [line for line, _, _ in rows]
+    prefixes = [prefix for _, prefix, _ in rows] if guided else None
+    constraints = merged_constraints(lines, [own for _, _, own in rows], glossary) if guided else None
+    results = translator.translate_with(lines, decode, prefixes=prefixes, constraints=constraints)
     bar.update(len(lines))
     return iter(results)

@@ -120,6 +120,42 @@ def test_translate_from_stdin_and_files_with_nbest(trained_run, tmp_path):
     )
 
 
+def test_translate_with_prefixes_constraints_a_glossary_and_an_ensemble(trained_run, tmp_path):
+    """What a user runs: per-line prefixes and constraints, a CAT-tool glossary (one term the model
+    never says: a made-up word of single characters), and two checkpoints as an ensemble."""
+    _, _, run_dir, data = trained_run
+    checkpoint = run_dir / "checkpoints" / "last.pt"
+    sources = (data / "test.en").read_text(encoding="utf-8").splitlines()[:8]
+    (tmp_path / "in.en").write_text("".join(line + "\n" for line in sources), encoding="utf-8")
+    prefixes = ["la par", "", "il", "", "", "", "", ""]
+    (tmp_path / "prefixes.txt").write_text("".join(p + "\n" for p in prefixes), encoding="utf-8")
+    constraints = ["mofosa\tnugati", "", "", "zucatar", "", "", "", ""]
+    (tmp_path / "constraints.txt").write_text("".join(c + "\n" for c in constraints), encoding="utf-8")
+    (tmp_path / "terms.tsv").write_text("# en\txx\nthe\tqzqzq\n", encoding="utf-8")
+    result = invoke("translate", "-c", checkpoint, "-i", tmp_path / "in.en", "--prefix", tmp_path / "prefixes.txt",
+                    "--constraints", tmp_path / "constraints.txt", "--glossary", tmp_path / "terms.tsv")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    outputs = result.stdout.splitlines()
+    assert len(outputs) == 8
+    for source, output, prefix, phrases in zip(sources, outputs, prefixes, constraints):
+        assert output.startswith(prefix)
+        wanted = [*filter(None, phrases.split("\t")), *(["qzqzq"] if "the" in source.split() else [])]
+        assert all(word in output.split() for word in wanted), (wanted, output)
+    assert any("qzqzq" in output.split() for output in outputs)
+    ensemble = invoke("translate", "-c", checkpoint, "-c", run_dir / "checkpoints" / "best.pt", "-i",
+                      tmp_path / "in.en", "--beam", "2")  # fmt: skip
+    assert ensemble.exit_code == 0 and len(ensemble.stdout.splitlines()) == 8
+    (tmp_path / "short.txt").write_text("la\n", encoding="utf-8")
+    short = invoke("translate", "-c", checkpoint, "-i", tmp_path / "in.en", "--prefix", tmp_path / "short.txt")
+    assert_user_error(short, "short.txt: ends before line 2", "one guidance line per input line")
+    (tmp_path / "bad.tsv").write_text("term only\n", encoding="utf-8")
+    bad = invoke("translate", "-c", checkpoint, "-i", tmp_path / "in.en", "--glossary", tmp_path / "bad.tsv")
+    assert_user_error(bad, "bad.tsv:1: expected 'source term<TAB>target term'")
+    sampled = invoke("translate", "-c", checkpoint, "-i", tmp_path / "in.en", "--constraints",
+                     tmp_path / "constraints.txt", "--set", "decode.sample=true")  # fmt: skip
+    assert_user_error(sampled, "constraints need beam search")
+
+
 def test_eval_prints_signatures_and_writes_json(trained_run, tmp_path):
     _, _, run_dir, data = trained_run
     report = tmp_path / "report.json"

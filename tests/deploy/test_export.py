@@ -166,3 +166,29 @@ def test_both_engines_score_given_pairs_alike(exported_model, trained_checkpoint
     for a, b in zip(mine, theirs):
         np.testing.assert_allclose(b.log_probs, a.log_probs, atol=2e-3)
         assert b.score == pytest.approx(a.score, abs=1e-3)
+
+
+@pytest.mark.parametrize("settings", [{}, {"beam": 1}, {"nbest": 3}], ids=["beam-5", "greedy", "nbest-3"])
+def test_both_engines_continue_a_prefix_alike(exported_model, trained_checkpoint, settings):
+    """Each line's reference cut after its first words, and some lines without: both engines keep the
+    prefix and return the same n-best lists, scored alike (the chosen tokens over the whole length)."""
+    ours, exported, lines = exported_model
+    _, data = trained_checkpoint
+    references = (data / "test.xx").read_text(encoding="utf-8").splitlines()
+    prefixes = [" ".join(ref.split()[: index % 4]) for index, ref in enumerate(references)]
+    decode = ours.settings(**{"beam": 5, **settings})
+    mine = ours.translate_with(lines, decode, prefixes=prefixes)
+    theirs = exported.translate_with(lines, decode, prefixes=prefixes)
+    assert [[text for text, _ in t.nbest] for t in theirs] == [[text for text, _ in t.nbest] for t in mine]
+    for a, b, prefix in zip(mine, theirs, prefixes):
+        assert all(text.startswith(prefix) for text, _ in a.nbest)
+        np.testing.assert_allclose([s for _, s in b.nbest], [s for _, s in a.nbest], rtol=1e-3)
+
+
+def test_constraints_and_ensembles_on_an_exported_model_are_one_line(exported_model, checkpoint, tmp_path):
+    _, exported, lines = exported_model
+    with pytest.raises(UserInputError, match="CTranslate2 has no constrained search"):
+        exported.translate(lines[:2], constraints=[["mofos"], []])
+    export_module.export_checkpoint(checkpoint[0], tmp_path / "model")
+    with pytest.raises(UserInputError, match="an ensemble needs checkpoints"):
+        Translator.load([checkpoint[0], tmp_path / "model"])

@@ -148,10 +148,10 @@ def test_the_most_advanced_bank_always_keeps_a_slot():
     log_probs = torch.full((3, 7), -math.inf)
     log_probs[0, [1, 6, 4]] = torch.tensor([0.5, 0.3, 0.2]).log()  # 4 starts the phrase, yet is least likely
     scores = torch.tensor([0.0, -math.inf, -math.inf])
-    ended, continuing = beams.step(log_probs, scores, at_limit=False)
+    ended, continuing = beams.step(log_probs, scores, at_limit=False, none_finished=True)
     assert ended == [] and [c.token for c in continuing] == [1, 6, 4]  # all three fit: best first
     beams = ConstrainedBeams(Constraints([[4, 5]]), beam=2)
-    ended, continuing = beams.step(log_probs[:2], scores[:2], at_limit=False)
+    ended, continuing = beams.step(log_probs[:2], scores[:2], at_limit=False, none_finished=True)
     assert sorted(c.token for c in continuing) == [1, 4]  # bank 1 (token 4) takes the slot of token 6
     assert dataclasses.asdict(beams.states[[c.token for c in continuing].index(4)])["progress"] == (0, 1)
 
@@ -183,3 +183,22 @@ def test_an_early_forced_phrase_does_not_end_the_search_before_the_natural_one()
     config = no_norm(beam=2, patience=1.0, max_len_b=4)
     ((best, *_),) = beam_search(model, sentences(0), config, guidance=Guidance([[]], [[[6]]]))
     assert best.tokens == [4, 4, 6]
+
+
+class ReluctantModel(ScriptedModel):
+    """Wants 4 5 4 then EOS, and finds 6 nearly impossible (log-probability about -15)."""
+
+    def log_probs(self, sentence: int, prefix: tuple[int, ...]) -> torch.Tensor:
+        scores = torch.full((7,), -8.0)
+        scores[6] = -15.0
+        scores[EOS_ID if len(prefix) >= 3 else (4 if len(prefix) % 2 == 0 else 5)] = 0.0
+        return scores.log_softmax(-1)
+
+
+@pytest.mark.parametrize("beam", [1, 2, 4])
+def test_a_phrase_the_model_will_not_say_is_still_in_every_output(beam):
+    """The phrase only enters through the reserved slot: its hypothesis must survive to the end (and
+    end there), and no phrase-less output cut at the length limit may take its place."""
+    config = no_norm(beam=beam, nbest=beam, max_len_b=4, length_norm="power", length_penalty=1.0)
+    for hyps in beam_search(ReluctantModel(), sentences(1, 2), config, guidance=Guidance([[]] * 2, [[[6, 6, 6]]] * 2)):
+        assert hyps and all(contains(h.tokens, [6, 6, 6]) for h in hyps), [h.tokens for h in hyps]
