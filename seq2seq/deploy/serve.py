@@ -1,6 +1,8 @@
 """`seq2seq serve`: an HTTP JSON translation service (FastAPI on uvicorn) over a checkpoint or exported model.
 
     POST /translate  {"lines": ["..."], "beam": 5, "nbest": 1, ...}  ->  {"translations": ["..."]}
+                     optional per line: "prefixes": ["..."], "constraints": [["term", ...]]
+    POST /score      {"sources": ["..."], "targets": ["..."]}  ->  {"scores": [{"score", "log_prob", "pieces"}]}
     GET  /health     ->  {"status": "ok", "engine": "ctranslate2", "model": "..."}
 
 Requests that arrive together are translated together: one worker thread takes the first waiting
@@ -61,6 +63,7 @@ class Limits:
     max_len_a: float = 4.0
     max_len_b: int = 256
     max_no_repeat_ngram: int = 8
+    max_constraints: int = 8  # terminology constraints per line (each one widens that line's search)
 
     def bounds(self) -> dict[str, float]:
         """Each bounded decode field and its largest allowed value (nbest is bounded by beam)."""
@@ -71,9 +74,18 @@ class Limits:
 
 @dataclass
 class _Job:
+    """One request's work: lines to translate (with their guidance), or pairs to score (`targets`)."""
+
     lines: list[str]
     decode: DecodeConfig
+    prefixes: list[str] | None = None
+    constraints: list[list[str]] | None = None
+    targets: list[str] | None = None
     future: Future = field(default_factory=Future)
+
+    @property
+    def kind(self) -> str:
+        return "score" if self.targets is not None else "translate"
 
     @property
     def tokens(self) -> int:
@@ -92,11 +104,10 @@ class BatchingWorker:
         self._thread = threading.Thread(target=self._run, name="translate-batches", daemon=True)
         self._thread.start()
 
-    def submit(self, lines: list[str], decode: DecodeConfig) -> Future:
+    def submit(self, job: _Job) -> Future:
         """Queue a job, or refuse it (RequestError 503) when max_queue requests are already open."""
         if not self._open.acquire(blocking=False):
             raise RequestError(503, f"the server is busy ({self.max_queue} requests open); retry shortly")
-        job = _Job(lines, decode)
         job.future.add_done_callback(lambda _: self._open.release())
         self._queue.put(job)
         return job.future
@@ -125,7 +136,7 @@ class BatchingWorker:
                 break
             if job is None:
                 return batch, True
-            if job.decode != first.decode:
+            if job.decode != first.decode or job.kind != first.kind:
                 self._held.append(job)
                 continue
             batch.append(job)
@@ -139,7 +150,14 @@ class BatchingWorker:
         self.requests, self.batches = self.requests + len(batch), self.batches + 1
         lines = [line for job in batch for line in job.lines]
         try:
-            results = self.translator.translate_with(lines, batch[0].decode)
+            if batch[0].kind == "score":
+                targets = [target for job in batch for target in job.targets]
+                results = self.translator.score_with(lines, targets, batch[0].decode)
+            else:
+                prefixes = [p for job in batch for p in (job.prefixes or [""] * len(job.lines))]
+                constraints = [c for job in batch for c in (job.constraints or [[]] * len(job.lines))]
+                results = self.translator.translate_with(lines, batch[0].decode, prefixes=prefixes,
+                                                         constraints=constraints)  # fmt: skip
         except Exception as error:  # the server answers 500 and goes on
             for job in batch:
                 job.future.set_exception(error)
@@ -156,21 +174,78 @@ class RequestError(Exception):
         self.status = status
 
 
-def parse_request(body: object, translator: Translator, limits: Limits) -> tuple[list[str], DecodeConfig]:
-    """The lines and decode settings of a /translate body, or a RequestError (413 or 422) saying what is wrong."""
+def parse_request(body: object, translator: Translator, limits: Limits) -> _Job:
+    """The work a /translate body asks for, or a RequestError (413 or 422) saying what is wrong."""
+    lines = _texts(body, "lines", limits, extra=("prefixes", "constraints"))
+    prefixes = body.get("prefixes")
+    if prefixes is not None:
+        prefixes = _texts(body, "prefixes", limits, count=len(lines))
+    constraints = body.get("constraints")
+    if constraints is not None:
+        constraints = _constraints(constraints, len(lines), limits)
+    decode = _decode(body, translator, limits)
+    if constraints is not None and any(constraints):
+        try:
+            translator.check_constraints_apply(decode)
+        except UserInputError as error:
+            raise RequestError(422, f"constraints: {error}") from None
+    return _Job([_one_line(line) for line in lines], decode, prefixes=prefixes, constraints=constraints)
+
+
+def parse_score_request(body: object, translator: Translator, limits: Limits) -> _Job:
+    """The pairs a /score body asks to score, or a RequestError."""
+    sources = _texts(body, "sources", limits, extra=("targets",))
+    targets = _texts(body, "targets", limits, count=len(sources))
+    return _Job([_one_line(line) for line in sources], _decode(body, translator, limits),
+                targets=[_one_line(line) for line in targets])  # fmt: skip
+
+
+def _one_line(text: str) -> str:
+    return text.replace("\n", " ")
+
+
+def _texts(
+    body: object, key: str, limits: Limits, *, extra: tuple[str, ...] = (), count: int | None = None
+) -> list[str]:
+    """body[key], checked: a JSON object whose fields are known, a list of strings within the size
+    limits (and `count` long, for a list that goes with another)."""
     if not isinstance(body, dict):
-        raise RequestError(422, 'expected a JSON object such as {"lines": ["..."]}')
-    unknown = sorted(set(body) - {"lines", *DECODE_FIELDS})
-    if unknown:
-        raise RequestError(422, f"unknown field(s) {', '.join(unknown)}; expected lines, {', '.join(DECODE_FIELDS)}")
-    lines = body.get("lines")
-    if not isinstance(lines, list) or not all(isinstance(line, str) for line in lines):
-        raise RequestError(422, "lines: expected a list of strings")
-    if len(lines) > limits.max_lines:
-        raise RequestError(413, f"lines: {len(lines)} lines; at most {limits.max_lines} per request")
-    for index, line in enumerate(lines):
-        if len(line) > limits.max_chars:
-            raise RequestError(413, f"lines[{index}]: {len(line)} characters; at most {limits.max_chars} per line")
+        raise RequestError(422, f'expected a JSON object such as {{"{key}": ["..."]}}')
+    if count is None:
+        known = {key, *extra, *DECODE_FIELDS}
+        unknown = sorted(set(body) - known)
+        if unknown:
+            raise RequestError(422, f"unknown field(s) {', '.join(unknown)}; expected {', '.join(sorted(known))}")
+    texts = body.get(key)
+    if not isinstance(texts, list) or not all(isinstance(text, str) for text in texts):
+        raise RequestError(422, f"{key}: expected a list of strings")
+    if count is not None and len(texts) != count:
+        raise RequestError(422, f"{key}: {len(texts)} given; expected one per line ({count})")
+    if len(texts) > limits.max_lines:
+        raise RequestError(413, f"{key}: {len(texts)} lines; at most {limits.max_lines} per request")
+    for index, text in enumerate(texts):
+        if len(text) > limits.max_chars:
+            raise RequestError(413, f"{key}[{index}]: {len(text)} characters; at most {limits.max_chars} per line")
+    return texts
+
+
+def _constraints(value: object, count: int, limits: Limits) -> list[list[str]]:
+    if not isinstance(value, list) or not all(
+        isinstance(line, list) and all(isinstance(term, str) for term in line) for line in value
+    ):
+        raise RequestError(422, "constraints: expected a list (one per line) of lists of strings")
+    if len(value) != count:
+        raise RequestError(422, f"constraints: {len(value)} given; expected one list per line ({count})")
+    for index, terms in enumerate(value):
+        if len(terms) > limits.max_constraints:
+            raise RequestError(413, f"constraints[{index}]: {len(terms)} terms; at most {limits.max_constraints}")
+        if sum(map(len, terms)) > limits.max_chars:
+            raise RequestError(413, f"constraints[{index}]: over {limits.max_chars} characters in all")
+    return [[_one_line(term) for term in terms] for terms in value]
+
+
+def _decode(body: dict, translator: Translator, limits: Limits) -> DecodeConfig:
+    """The request's decode fields, typed and bounded, on the model's defaults."""
     options = {key: body[key] for key in DECODE_FIELDS if key in body}
     for key, value in options.items():
         if not _has_json_type(value, DECODE_FIELDS[key]):
@@ -181,11 +256,10 @@ def parse_request(body: object, translator: Translator, limits: Limits) -> tuple
         if most is not None and value > most:
             raise RequestError(422, f"{key}: at most {most} on this server, got {value}")
     try:
-        decode = translator.settings(**options)
+        return translator.settings(**options)
     except UserInputError as error:  # lines like "options: decode.nbest: expected ...": keep the key once
         problems = [line.split(": ", 1)[-1] for line in str(error).splitlines()]
         raise RequestError(422, "; ".join(problems)) from None
-    return [line.replace("\n", " ") for line in lines], decode
 
 
 def create_app(translator: Translator, *, model_name: str, limits: Limits = Limits()) -> FastAPI:
@@ -205,26 +279,43 @@ def create_app(translator: Translator, *, model_name: str, limits: Limits = Limi
         return {"status": "ok", "engine": translator.engine, "model": model_name, "requests": worker.requests,
                 "batches": worker.batches}  # fmt: skip
 
-    @app.post("/translate")
-    async def translate(request: Request) -> JSONResponse:
+    async def run(request: Request, parse) -> tuple[_Job, list] | JSONResponse:
+        """Read, check and queue a request, and wait for its results (or the error response)."""
         try:
-            body = _json(await _read_body(request, limits.max_body_bytes))
-            lines, decode = parse_request(body, translator, limits)
-            job = worker.submit(lines, decode)
+            job = parse(_json(await _read_body(request, limits.max_body_bytes)), translator, limits)
+            future = worker.submit(job)
         except RequestError as error:
             return _error(error.status, str(error), retry=error.status == 503)
         try:
-            results: list[Translation] = await asyncio.wait_for(asyncio.wrap_future(job), limits.request_timeout)
+            return job, await asyncio.wait_for(asyncio.wrap_future(future), limits.request_timeout)
         except asyncio.TimeoutError:  # the job is cancelled: the worker skips it if it has not begun
-            return _error(503, f"translation took over {limits.request_timeout:g} s; try fewer or shorter lines",
+            return _error(503, f"the request took over {limits.request_timeout:g} s; try fewer or shorter lines",
                           retry=True)  # fmt: skip
         except Exception:  # the details go to the server's log, never to the client
             traceback.print_exc(file=sys.stderr)
-            return _error(500, "translation failed; the server's log has the details")
-        answer: dict = {"translations": [t.text for t in results]}
-        if decode.nbest > 1:
-            answer["nbest"] = [[{"text": text, "score": score} for text, score in t.nbest] for t in results]
+            work = {"translate": "translation", "score": "scoring"}[job.kind]
+            return _error(500, f"{work} failed; the server's log has the details")
+
+    @app.post("/translate")
+    async def translate(request: Request) -> JSONResponse:
+        outcome = await run(request, parse_request)
+        if isinstance(outcome, JSONResponse):
+            return outcome
+        job, results = outcome
+        translations: list[Translation] = results
+        answer: dict = {"translations": [t.text for t in translations]}
+        if job.decode.nbest > 1:
+            answer["nbest"] = [[{"text": text, "score": score} for text, score in t.nbest] for t in translations]
         return JSONResponse(answer)
+
+    @app.post("/score")
+    async def score(request: Request) -> JSONResponse:
+        outcome = await run(request, parse_score_request)
+        if isinstance(outcome, JSONResponse):
+            return outcome
+        _, results = outcome
+        return JSONResponse({"scores": [{"score": pair.score, "log_prob": pair.log_prob, "pieces": len(pair.pieces)}
+                                        for pair in results]})  # fmt: skip
 
     return app
 

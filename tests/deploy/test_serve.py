@@ -83,6 +83,26 @@ def test_translations_equal_the_python_api(server):
     ]  # the same seed, lines and settings: the same samples (scores equal up to float rounding)
 
 
+def test_prefixes_constraints_and_scores_equal_the_python_api(server):
+    url, _, path, data = server
+    lines = (data / "test.en").read_text().splitlines()[:4]
+    references = (data / "test.xx").read_text().splitlines()[:4]
+    translator = Translator.load(path, device="cpu")
+    prefixes, constraints = ["la", "", "il", ""], [["mofosa"], [], [], ["nugati", "zucatar"]]
+    body = {"lines": lines, "beam": 3, "prefixes": prefixes, "constraints": constraints}
+    answer = httpx.post(f"{url}/translate", json=body, timeout=60).json()
+    assert answer["translations"] == translator.translate(lines, beam=3, prefixes=prefixes, constraints=constraints)
+    assert all(term in text.split() for text, terms in zip(answer["translations"], constraints) for term in terms)
+    scores = httpx.post(f"{url}/score", json={"sources": lines, "targets": references}, timeout=60).json()["scores"]
+    expected = translator.score(lines, references)
+    assert [s["log_prob"] for s in scores] == [pytest.approx(e.log_prob, abs=1e-4) for e in expected]
+    assert [s["pieces"] for s in scores] == [len(e.pieces) for e in expected]
+    short = httpx.post(f"{url}/score", json={"sources": lines, "targets": references[:3]}, timeout=60)
+    assert short.status_code == 422 and "targets: 3 given; expected one per line (4)" in short.json()["error"]
+    unknown = httpx.post(f"{url}/score", json={"sources": lines, "targets": references, "lines": []}, timeout=60)
+    assert unknown.status_code == 422 and "unknown field(s) lines" in unknown.json()["error"]
+
+
 def test_concurrent_requests_are_batched_and_each_gets_its_own_answer(server):
     url, _, path, data = server
     lines = (data / "test.en").read_text().splitlines()[:24]
@@ -128,6 +148,13 @@ def test_concurrent_requests_are_batched_and_each_gets_its_own_answer(server):
         (json.dumps({"lines": ["a"], "sample": "yes"}).encode(), 422, "sample: expected true or false"),
         (json.dumps({"lines": ["a"], "sample": True, "nbest": 17}).encode(), 422, "nbest: at most 16 on this server"),
         (json.dumps({"lines": ["a"], "sample": True, "top_p": 0}).encode(), 422, "top_p: expected a number in (0, 1]"),
+        (json.dumps({"lines": ["a", "b"], "prefixes": ["x"]}).encode(), 422, "prefixes: 1 given; expected one per"),
+        (json.dumps({"lines": ["a"], "prefixes": [3]}).encode(), 422, "prefixes: expected a list of strings"),
+        (json.dumps({"lines": ["a"], "prefixes": ["x" * 301]}).encode(), 413, "prefixes[0]: 301 characters"),
+        (json.dumps({"lines": ["a"], "constraints": ["x"]}).encode(), 422, "constraints: expected a list (one per"),
+        (json.dumps({"lines": ["a"], "constraints": [["t"] * 9]}).encode(), 413, "constraints[0]: 9 terms; at most 8"),
+        (json.dumps({"lines": ["a"], "constraints": [["x" * 200, "y" * 200]]}).encode(), 413, "over 300 characters"),
+        (json.dumps({"lines": ["a"], "constraints": [["t"]], "sample": True}).encode(), 422, "need beam search"),
     ],
 )
 def test_bad_requests_get_a_json_error_and_the_server_lives_on(server, body, status, fragment):
@@ -180,7 +207,7 @@ class StalledEngine:
     def __init__(self, *, fail: bool = False) -> None:
         self.release, self.fail, self.calls = threading.Event(), fail, 0
 
-    def translate(self, lines, decode, progress):
+    def translate(self, lines, decode, progress, **guidance):
         self.calls += 1
         if self.fail:
             raise RuntimeError("/secret/internal/path.py line 7: tensor shape mismatch")
