@@ -405,7 +405,12 @@ def export(
 @app.command()
 @user_errors
 def serve(
-    model: Annotated[Path, typer.Argument(help="A checkpoint (.pt) or an exported directory.", show_default=False)],
+    model: Annotated[
+        list[Path],
+        typer.Argument(
+            help="A checkpoint (.pt) or an exported directory; several checkpoints: an ensemble.", show_default=False
+        ),  # fmt: skip
+    ],
     host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", min=1, max=65535, help="Port to listen on.")] = 8000,
     max_lines: Annotated[int, typer.Option("--max-lines", min=1, help="Lines per request.")] = 64,
@@ -420,20 +425,24 @@ def serve(
         float, typer.Option("--timeout", min=0.1, help="Seconds a request may wait for its translation (then 503).")
     ] = 60.0,
 ) -> None:
-    """Serve a model over HTTP: POST /translate {"lines": [...]} and GET /health.
+    """Serve a model over HTTP: POST /translate {"lines": [...]}, POST /score and GET /health.
 
     Examples:
       seq2seq serve models/bible-int8 --port 8000
+      seq2seq serve runs/bible/checkpoints/step_00009000.pt runs/bible/checkpoints/step_00010000.pt
       curl -s localhost:8000/translate -H 'content-type: application/json' -d '{"lines": ["the cat sleeps"], "beam": 5}'
     """
     from seq2seq.deploy.serve import Limits
     from seq2seq.deploy.serve import serve as serve_model
 
-    if not model.exists():
-        raise UserInputError(f"{model}: no such checkpoint or exported model")
+    missing = [str(path) for path in model if not path.exists()]
+    if missing:
+        raise UserInputError(f"{', '.join(missing)}: no such checkpoint or exported model")
     limits = Limits(max_lines=max_lines, max_chars=max_chars, batch_wait=batch_wait_ms / 1000, max_queue=max_queue,
                     request_timeout=timeout_s)  # fmt: skip
-    typer.echo(f"serving {model} on http://{host}:{port} (POST /translate, GET /health); Ctrl-C stops", err=True)
+    named = " + ".join(map(str, model))
+    typer.echo(f"serving {named} on http://{host}:{port} (POST /translate, /score; GET /health); Ctrl-C stops",
+               err=True)  # fmt: skip
     serve_model(model, host=host, port=port, limits=limits)
 
 

@@ -362,8 +362,8 @@ def _error(status: int, message: str, *, retry: bool = False) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status, headers=headers)
 
 
-def serve(model: Path, *, host: str, port: int, limits: Limits = Limits()) -> None:
-    """Load the model, then serve until SIGTERM or Ctrl-C."""
+def serve(model: Path | list[Path], *, host: str, port: int, limits: Limits = Limits()) -> None:
+    """Load the model (several checkpoints: an ensemble), then serve until SIGTERM or Ctrl-C."""
     import socket
 
     import uvicorn
@@ -374,5 +374,6 @@ def serve(model: Path, *, host: str, port: int, limits: Limits = Limits()) -> No
         except OSError as error:
             raise UserInputError(f"--host {host} --port {port}: cannot listen there ({error.strerror})") from None
     translator = Translator.load(model)
-    app = create_app(translator, model_name=str(model), limits=limits)
+    name = " + ".join(map(str, model)) if isinstance(model, list) else str(model)
+    app = create_app(translator, model_name=name, limits=limits)
     uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=10)
