@@ -7,6 +7,7 @@ the rest of the code can rely on them. Training here also decides when a saved t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import json
 import logging
@@ -62,9 +63,10 @@ class Tokenizer:
         it (⁇), as the CTranslate2 engine shows it: a reader sees that something was not known."""
         return self.tgt_model.decode([i for i in ids if i not in (PAD_ID, BOS_ID, EOS_ID)])
 
+    @functools.cached_property
     def tgt_word_continuations(self) -> frozenset[int]:
         """The target pieces that continue a word: those without SentencePiece's word-start mark ▁
-        (special pieces excluded)."""
+        (special pieces excluded); read once from the vocabulary."""
         model = self.tgt_model
         return frozenset(i for i in range(model.get_piece_size())
                          if not model.id_to_piece(i).startswith("\u2581") and not model.is_control(i)

@@ -104,6 +104,7 @@ class ConstrainedBeams:
     def __init__(self, constraints: Constraints, beam: int) -> None:
         self.constraints, self.beam = constraints, beam
         self.states = [constraints.initial] * beam
+        self._continuations: Tensor | None = None  # (V,) mask of constraints.continuations, made on first use
 
     def step(
         self, log_probs: Tensor, scores: Tensor, *, at_limit: bool, none_finished: bool
@@ -144,9 +145,10 @@ class ConstrainedBeams:
                 for (k, token), value in zip(ordered, values) if value > -math.inf]  # fmt: skip
 
     def _continuation_mask(self, vocab: int, device: torch.device) -> Tensor:
-        mask = torch.zeros(vocab, dtype=torch.bool, device=device)
-        mask[list(self.constraints.continuations)] = True
-        return mask
+        if self._continuations is None:
+            self._continuations = torch.zeros(vocab, dtype=torch.bool, device=device)
+            self._continuations[list(self.constraints.continuations)] = True
+        return self._continuations
 
     def _after(self, beam: int, token: int) -> ConstraintState:
         state = self.states[beam]

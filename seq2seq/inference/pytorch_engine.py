@@ -104,4 +104,4 @@ def _encoded_guidance(tokenizer: Tokenizer, rows: list[int], prefixes: list[str]
     for line in phrases:
         grouped.append([ids for ids in flat[start : start + len(line)] if ids])
         start += len(line)
-    return Guidance(prefix_ids, grouped, tokenizer.tgt_word_continuations() if flat else frozenset())
+    return Guidance(prefix_ids, grouped, tokenizer.tgt_word_continuations if flat else frozenset())
