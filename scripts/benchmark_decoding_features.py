@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """The decoding features beyond beam search, measured side by side in one run on trained models.
 
-  * speed: sampling against greedy (beam 1) over the same lines, and scoring given pairs against
+  * speed: sampling (top-k 10; top-p 0.9) against greedy (beam 1) over the same lines, and scoring given pairs against
     translating the same lines with beam 5 (the pairs are the references), each side timed over the
-    same lines, best of --repeats;
+    same lines, best of --repeats rounds (each round runs every side once, in turn);
   * constraints: one random reference word per line (seeded) as a terminology constraint: the
     share of lines whose output contains it, and BLEU against unconstrained beam search;
   * ensemble (with --ensemble): BLEU of the first checkpoint alone and of all given checkpoints as
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -32,23 +33,29 @@ from seq2seq.training.precision import describe_machine
 BLEU = ScoreOptions(metrics=("bleu",))
 
 
-def timed(run, repeats: int) -> float:
-    """The best wall time of `repeats` runs (the first also warms caches)."""
-    best = float("inf")
+def best_times(sides: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """The best wall time of each side over `repeats` rounds; every round runs each side once, in
+    turn, so that a slow spell of a shared machine falls on all sides alike (the first round also
+    warms caches)."""
+    best = dict.fromkeys(sides, float("inf"))
     for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - start)
+        for name, run in sides.items():
+            start = time.perf_counter()
+            run()
+            best[name] = min(best[name], time.perf_counter() - start)
     return best
 
 
 def speed(translator: Translator, src: list[str], ref: list[str], repeats: int) -> None:
-    greedy = timed(lambda: translator.translate(src, beam=1), repeats)
-    sampled = timed(lambda: translator.translate(src, sample=True, top_k=10, seed=1), repeats)
-    beam5 = timed(lambda: translator.translate(src, beam=5), repeats)
-    scoring = timed(lambda: translator.score(src, ref), repeats)
-    print(f"sampling (top-k 10): {len(src) / sampled:,.1f} lines/s; greedy: {len(src) / greedy:,.1f} lines/s; "
-          f"ratio {greedy / sampled:.2f} (target >= 0.9)")  # fmt: skip
+    times = best_times({"greedy": lambda: translator.translate(src, beam=1),
+                        "sampled": lambda: translator.translate(src, sample=True, top_k=10, seed=1),
+                        "nucleus": lambda: translator.translate(src, sample=True, top_p=0.9, seed=1),
+                        "beam5": lambda: translator.translate(src, beam=5),
+                        "scoring": lambda: translator.score(src, ref)}, repeats)  # fmt: skip
+    greedy, beam5, scoring = times["greedy"], times["beam5"], times["scoring"]
+    for side, label in (("sampled", "top-k 10"), ("nucleus", "top-p 0.9")):
+        print(f"sampling ({label}): {len(src) / times[side]:,.1f} lines/s; greedy: {len(src) / greedy:,.1f} lines/s; "
+              f"ratio {greedy / times[side]:.2f} (target >= 0.9)")  # fmt: skip
     print(f"scoring the reference pairs: {len(src) / scoring:,.1f} pairs/s; beam 5: {len(src) / beam5:,.1f} lines/s; "
           f"ratio {beam5 / scoring:.2f} (target >= 3)")  # fmt: skip
 

@@ -208,7 +208,7 @@ def greedy_search(
     guidance: Guidance | None = None,
 ) -> list[list[Hypothesis]]:
     """The most likely next token at every step, for a batch of source sentences (B, S); with a
-    `generator`, a token drawn from sampling_distribution instead (sample_search).
+    `generator`, a token drawn from sampling_candidates instead (sample_search).
 
     The host reads from the device once per step (which rows ended), and twice more on a step
     where some did (their tokens and totals): on a GPU each read waits for the queued work."""
@@ -232,7 +232,7 @@ def greedy_search(
         if generator is None:
             best_log_prob, best = log_probs.max(-1)
         else:
-            best = torch.multinomial(sampling_distribution(log_probs, config), 1, generator=generator).squeeze(1)
+            best = draw_tokens(log_probs, config, generator)
             best_log_prob = log_probs.gather(1, best.unsqueeze(1)).squeeze(1)
         totals += best_log_prob
         done = best == EOS_ID
@@ -362,32 +362,66 @@ def _finish_constrained(finished: list[Hypothesis], prefixes: Tensor, ended: lis
         finished.append(Hypothesis(tokens, length_normalized(candidate.score, length, config), candidate.score))
 
 
-def sampling_distribution(log_probs: Tensor, config: DecodeConfig) -> Tensor:
-    """(N, V) next-token log-probs -> the distribution samples are drawn from: logits divided by the
-    temperature, then only the top_k most likely tokens, then of those (renormalised) the most likely
-    whose probabilities sum to top_p, then those above epsilon; the most likely token always stays.
-    The order of fairseq and HF; CTranslate2 applies top-k and top-p the same way."""
-    probs = (log_probs / config.temperature).softmax(-1)
-    keep = probs > 0  # banned tokens (PAD, BOS, EOS before min_len) have probability 0
+def sampling_candidates(log_probs: Tensor, config: DecodeConfig) -> tuple[Tensor, Tensor | None]:
+    """(N, V) next-token log-probs -> the distribution samples are drawn from, as (N, C) probabilities
+    of C candidate tokens and their (N, C) ids (None: the candidates are the whole vocabulary, C = V).
+
+    Logits are divided by the temperature, then only the top_k most likely tokens stay, then of those
+    (renormalised) the most likely whose probabilities sum to top_p, then those above epsilon; the
+    most likely token always stays. The order of fairseq and HF; CTranslate2 applies top-k and top-p
+    the same way. Truncation keeps only the few tokens it can keep, most likely first, so that drawing
+    from them costs a fraction of a draw over the whole vocabulary (a top-p nucleus without top-k is
+    looked for among the 64 most likely tokens, then 4x as many, until it fits: on a GPU that check
+    reads the device once per step)."""
+    scaled = log_probs if config.temperature == 1.0 else log_probs / config.temperature
+    whole = scaled.logsumexp(-1, keepdim=True) if config.epsilon or not config.top_k else None  # log of the sum
     if config.top_k:
-        kth = probs.topk(min(config.top_k, probs.size(-1)), dim=-1).values[:, -1:]
-        keep &= probs >= kth
-    if config.top_p < 1.0:
-        kept = probs * keep
-        ordered, order = (kept / kept.sum(-1, keepdim=True)).sort(-1, descending=True)
-        before = ordered.cumsum(-1) - ordered  # mass of the more likely tokens
-        keep &= torch.zeros_like(keep).scatter(-1, order, before < config.top_p)
-    if config.epsilon:
-        keep &= probs > config.epsilon
-    keep.scatter_(-1, probs.argmax(-1, keepdim=True), True)
-    kept = probs * keep
-    return kept / kept.sum(-1, keepdim=True)
+        values, ids = scaled.topk(min(config.top_k, scaled.size(-1)), dim=-1)  # most likely first
+    elif config.top_p < 1.0:
+        values, ids = _nucleus_candidates(scaled, whole, config.top_p)
+    else:
+        values, ids = scaled, None
+    weights = (values - (values[:, :1] if whole is None else whole)).exp()  # banned tokens weigh 0
+    if config.top_p == 1.0 and not config.epsilon:
+        return weights / weights.sum(-1, keepdim=True), ids
+    keep = torch.ones_like(weights, dtype=torch.bool)
+    if config.top_p < 1.0:  # of the top-k tokens (renormalised), or of the whole vocabulary
+        share = weights / weights.sum(-1, keepdim=True) if whole is None else weights
+        keep &= share.cumsum(-1) - share < config.top_p  # the mass of the more likely tokens
+    if config.epsilon:  # of the whole vocabulary
+        keep &= (values - whole).exp() > config.epsilon
+    keep.scatter_(-1, weights.argmax(-1, keepdim=True), True)  # column 0 once sorted
+    kept = weights * keep
+    return kept / kept.sum(-1, keepdim=True), ids
+
+
+def _nucleus_candidates(scaled: Tensor, whole: Tensor, top_p: float) -> tuple[Tensor, Tensor]:
+    """The m most likely tokens (values, ids; most likely first) for the smallest m tried that
+    holds every row's top-p nucleus: it lies within them once their probabilities sum to top_p."""
+    count = min(64, scaled.size(-1))
+    values, ids = scaled.topk(count, dim=-1)
+    while count < scaled.size(-1) and not bool(((values - whole).exp().sum(-1) >= top_p).all()):
+        count = min(4 * count, scaled.size(-1))
+        values, ids = scaled.topk(count, dim=-1)
+    return values, ids
+
+
+def draw_tokens(log_probs: Tensor, config: DecodeConfig, generator: torch.Generator) -> Tensor:
+    """One token id per row (N,) drawn from sampling_candidates by inverting the cumulative
+    distribution at a uniform point (a fraction of torch.multinomial's cost on a CPU). A point that
+    rounds to the end of the distribution takes its last token of non-zero probability."""
+    probs, ids = sampling_candidates(log_probs, config)
+    cumulative = probs.cumsum(-1)
+    point = torch.rand((probs.size(0), 1), generator=generator, device=probs.device) * cumulative[:, -1:]
+    last = cumulative.argmax(-1, keepdim=True)  # the first column that reaches the total
+    column = torch.minimum(torch.searchsorted(cumulative, point, right=True), last)
+    return (column if ids is None else ids.gather(1, column)).squeeze(1)
 
 
 def sample_search(
     model: Decoder, src: Tensor, config: DecodeConfig, generator: torch.Generator, *, guidance: Guidance | None = None
 ) -> list[list[Hypothesis]]:
-    """`nbest` outputs per source sentence, each drawn token by token from sampling_distribution
+    """`nbest` outputs per source sentence, each drawn token by token from sampling_candidates
     (back-translation, diverse n-best lists); ranked like any n-best list by their normalised
     log-probability under the model (not under the filtered distribution)."""
     repeated = guidance.repeated(config.nbest) if guidance is not None else None

@@ -18,7 +18,7 @@ from seq2seq.inference.search import (
     greedy_search,
     length_normalized,
     sample_search,
-    sampling_distribution,
+    sampling_candidates,
 )
 from seq2seq.model.transformer import Seq2SeqTransformer
 
@@ -236,6 +236,12 @@ def test_no_repeat_ngram_forbids_repeated_ngrams(search):
         assert len(grams) == len(set(grams)), tokens
 
 
+def sampling_distribution(log_probs: torch.Tensor, config: DecodeConfig) -> torch.Tensor:
+    """sampling_candidates spread over the whole vocabulary (zero for every token cut)."""
+    probs, ids = sampling_candidates(log_probs, config)
+    return probs if ids is None else torch.zeros_like(log_probs).scatter_(1, ids, probs)
+
+
 def test_the_sampling_distribution_by_hand():
     log_probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
     base = DecodeConfig(sample=True)
@@ -250,20 +256,37 @@ def test_the_sampling_distribution_by_hand():
     torch.testing.assert_close(hot, log_probs.exp().sqrt() / log_probs.exp().sqrt().sum())
     only_best = sampling_distribution(log_probs, dataclasses.replace(base, top_p=0.1, epsilon=0.9))
     torch.testing.assert_close(only_best, torch.tensor([[1.0, 0.0, 0.0, 0.0]]))
+    both = sampling_distribution(log_probs, dataclasses.replace(base, top_k=3, top_p=0.9))  # of 0.5, 0.3, 0.15
+    torch.testing.assert_close(both, torch.tensor([[0.5, 0.3, 0.15, 0.0]]) / 0.95)
 
 
-@pytest.mark.parametrize(("temperature", "top_k"), [(1.0, 0), (0.5, 0), (1.0, 2)])
-def test_samples_follow_the_models_distribution(temperature, top_k):
+def test_a_wide_nucleus_is_found_beyond_the_first_candidates():
+    """A flat distribution over 1,000 tokens: top-p 0.9 keeps the 900 most likely, in every row
+    (more than the first 64 or 256 candidates looked at), whatever the order of the vocabulary."""
+    flat = torch.stack([torch.randperm(1000, generator=torch.Generator().manual_seed(row)) for row in range(3)])
+    log_probs = (1 + flat * 1e-5).log().log_softmax(-1)  # nearly equal, no ties
+    nucleus = sampling_distribution(log_probs, DecodeConfig(sample=True, top_p=0.9))
+    assert (nucleus > 0).sum(-1).tolist() == [900, 900, 900]
+    assert ((nucleus > 0) == (flat >= 100)).all()  # the 900 most likely tokens of each row
+    torch.testing.assert_close(nucleus.sum(-1), torch.ones(3))
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p"), [(1.0, 0, 1.0), (0.5, 0, 1.0), (1.0, 2, 1.0), (1.0, 0, 0.6)]
+)
+def test_samples_follow_the_models_distribution(temperature, top_k, top_p):
     """Outputs of a table model drawn many times: each output's frequency matches its probability
-    under the temperature and top-k (within 5 standard deviations), and a seed repeats the draws."""
+    under the temperature, top-k and top-p (within 5 standard deviations), and a seed repeats the draws."""
     table = {(): {4: 0.5, 5: 0.3, 6: 0.2}, (4,): {EOS_ID: 0.7, 5: 0.3}}  # outputs: 4 | 4 5 | 5 | 6
     model = TableModel(table)
-    settings = no_norm(sample=True, nbest=250, temperature=temperature, top_k=top_k)
+    settings = no_norm(sample=True, nbest=250, temperature=temperature, top_k=top_k, top_p=top_p)
     first = torch.tensor([0.5, 0.3, 0.2]) ** (1 / temperature)
-    if top_k:
-        first[top_k:] = 0
+    if top_k or top_p < 1.0:  # top-p 0.6: 0.5 + 0.3 reach it
+        first[top_k or 2 :] = 0
     first /= first.sum()
     second = torch.tensor([0.7, 0.3]) ** (1 / temperature)
+    if top_p < 1.0:  # 0.7 alone reaches 0.6
+        second[1:] = 0
     second /= second.sum()
     expected = {(4,): first[0] * second[0], (4, 5): first[0] * second[1], (5,): first[1], (6,): first[2]}
     draws = [tuple(h.tokens) for hyps in sample_search(model, sentences(0, 0, 0, 0), settings,
