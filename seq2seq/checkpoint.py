@@ -40,6 +40,7 @@ class Progress:
     stale_validations: int = 0
     train_seconds: float = 0.0
     skipped_steps: int = 0  # non-finite gradients (fp16 overflow or NaN loss): never applied
+    decay_start: float = 0.0  # the share of the budget spent when warmup ended (schedule.learning_rate)
 
 
 @dataclass
@@ -60,6 +61,8 @@ class Checkpoint:
     progress: Progress
     rng: RngStates
     averaged_from: list[str] = field(default_factory=list)  # set by `seq2seq average`
+    ema: dict[str, Tensor] = field(default_factory=dict)  # train.ema_decay's weight average, to resume it
+    weights: str = "trained"  # what `model` holds: "trained", or "ema" (best.pt, when the average validated better)
 
     def to_state(self) -> dict[str, Any]:
         """Plain data and tensors only, so that loading never needs to unpickle an object."""
@@ -75,6 +78,8 @@ class Checkpoint:
             "progress": dataclasses.asdict(self.progress),
             "rng": {"torch": self.rng.torch, "cuda": self.rng.cuda},
             "averaged_from": self.averaged_from,
+            "ema": self.ema,
+            "weights": self.weights,
         }
 
     @classmethod
@@ -87,7 +92,9 @@ class Checkpoint:
             raise UserInputError(f"{origin}: checkpoint lacks {', '.join(missing)}; expected every field of format "
                                  f"version {FORMAT_VERSION} ({', '.join(_REQUIRED)})")  # fmt: skip
         progress_fields = {f.name for f in dataclasses.fields(Progress)}
-        if not isinstance(state["progress"], dict) or set(state["progress"]) != progress_fields:
+        if not isinstance(state["progress"], dict) or not (
+            progress_fields - _PROGRESS_ADDED <= set(state["progress"]) <= progress_fields
+        ):
             raise UserInputError(f"{origin}: the checkpoint's progress has other fields than {sorted(progress_fields)}")
         protos = {name: tensor.numpy().tobytes() for name, tensor in state["tokenizer"].items()}
         return cls(
@@ -99,6 +106,8 @@ class Checkpoint:
             progress=Progress(**state["progress"]),
             rng=RngStates(state["rng"]["torch"], state["rng"]["cuda"]),
             averaged_from=list(state.get("averaged_from", [])),
+            ema=dict(state.get("ema", {})),
+            weights=str(state.get("weights", "trained")),
         )
 
     def save(self, path: str | Path) -> None:
@@ -128,6 +137,7 @@ class Checkpoint:
 
 
 _REQUIRED = ("config", "tokenizer", "model", "optimizer", "scaler", "progress", "rng")
+_PROGRESS_ADDED = {"decay_start"}  # fields added within this format version: older checkpoints take the default
 
 
 @dataclass
@@ -195,4 +205,4 @@ def average_checkpoints(paths: list[Path], output: Path) -> None:
         name: torch.stack([c.model[name].float() for c in checkpoints]).mean(0).to(checkpoints[0].model[name].dtype)
         for name in names
     }
-    dataclasses.replace(checkpoints[-1], model=averaged, averaged_from=[str(p) for p in paths]).save(output)
+    dataclasses.replace(checkpoints[-1], model=averaged, averaged_from=[str(p) for p in paths], ema={}).save(output)

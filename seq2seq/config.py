@@ -129,6 +129,9 @@ class TrainConfig:
     lr: float = 5e-4  # peak learning rate
     schedule: Literal["inverse_sqrt", "noam", "linear", "cosine", "constant"] = "inverse_sqrt"
     warmup_steps: int = 4000
+    warmup_fraction: float = 0.0  # > 0: warm up over this share of the budget instead (linear, cosine, constant)
+    min_lr: float = 0.0  # the floor linear and cosine reach when the budget is spent
+    ema_decay: float = 0.0  # > 0: keep an exponential moving average of the weights (weight_average.py)
     optimizer: Literal["adam", "adamw"] = "adam"
     betas: tuple[float, float] = (0.9, 0.98)
     eps: float = 1e-9
@@ -170,6 +173,15 @@ class TrainConfig:
             found.append(("lr", "expected a number > 0"))
         if self.schedule == "noam" and self.warmup_steps == 0:
             found.append(("warmup_steps", "schedule 'noam' needs warmup_steps >= 1"))
+        if not 0.0 <= self.warmup_fraction < 1.0:
+            found.append(("warmup_fraction", "expected a number in [0, 1)"))
+        elif self.warmup_fraction and self.schedule in ("noam", "inverse_sqrt"):
+            found.append(("warmup_fraction", f"schedule '{self.schedule}' warms up over warmup_steps; "
+                                             "warmup_fraction needs linear, cosine or constant"))  # fmt: skip
+        if not 0.0 <= self.ema_decay < 1.0:
+            found.append(("ema_decay", "expected a number in [0, 1), e.g. 0.999 (0 = no weight average)"))
+        if not 0.0 <= self.min_lr <= self.lr:
+            found.append(("min_lr", f"expected a number in [0, lr ({self.lr:g})]"))
         if not 0.0 <= self.label_smoothing < 1.0:
             found.append(("label_smoothing", "expected a number in [0, 1)"))
         if not all(0.0 <= b < 1.0 for b in self.betas):

@@ -25,8 +25,17 @@ def plot_training_curves(run_dir: str | Path) -> list[Path]:
     out = run_dir / "plots"
     out.mkdir(exist_ok=True)
     figures = {
-        "loss": [("train loss (label-smoothed)", train, "loss"), ("valid loss (NLL)", valid, "loss")],
-        "bleu": [("valid BLEU", valid, "bleu"), ("valid chrF", valid, "chrf")],
+        "loss": [
+            ("train loss (label-smoothed)", train, "loss"),
+            ("valid loss (NLL)", valid, "loss"),
+            ("valid loss, weight average", valid, "ema_loss"),
+        ],
+        "bleu": [
+            ("valid BLEU", valid, "bleu"),
+            ("valid chrF", valid, "chrf"),
+            ("valid BLEU, weight average", valid, "ema_bleu"),
+            ("valid chrF, weight average", valid, "ema_chrf"),
+        ],
         "lr": [("learning rate", train, "lr")],
         "memory": [
             ("RSS now (MiB)", train, "rss_mb"),

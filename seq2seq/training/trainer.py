@@ -28,7 +28,7 @@ from seq2seq.training.host_memory import HEAP_TRIM_EVERY, release_free_heap
 from seq2seq.training.precision import choose_precision
 from seq2seq.training.run_dir import RunDir, check_resumable, prepare_run
 from seq2seq.training.run_log import MetricsLog, PeakRss, log_to_file, memory_figures
-from seq2seq.training.schedule import learning_rate
+from seq2seq.training.schedule import budget_spent, learning_rate
 from seq2seq.training.train_step import (
     StepResult,
     autocast,
@@ -38,6 +38,7 @@ from seq2seq.training.train_step import (
     train_step,
 )
 from seq2seq.training.validation import ValidationResult, validate
+from seq2seq.training.weight_average import ExponentialAverage
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +129,7 @@ class Trainer:
         self.forward = compile_for_training(wrapped) if tc.compile else wrapped
         self.optimizer = build_optimizer(self.model, tc)
         self.scaler = build_scaler(self.device, tc.precision)
+        self.ema = ExponentialAverage(self.model, tc.ema_decay) if tc.ema_decay else None
         self.progress = Progress()
         self.last_step: StepResult | None = None
         self.skipped = SkippedUpdates(self.device)
@@ -170,10 +172,16 @@ class Trainer:
                 my_batches = [make_batch(self.data.train, indices) for indices in mine]
                 my_tokens = sum(batch.num_tokens for batch in my_batches)
                 progress.step += 1
-                lr = learning_rate(progress.step, tc, d_model=self.config.model.d_model)
+                spent = budget_spent(progress, tc, batches_per_epoch=len(batches) - len(batches) % per_update)
+                if progress.step == tc.warmup_steps:
+                    progress.decay_start = spent
+                lr = learning_rate(progress.step, tc, d_model=self.config.model.d_model, spent=spent,
+                                   decay_start=progress.decay_start)  # fmt: skip
                 step = train_step(self.model, self.optimizer, self.scaler, my_batches, update_tokens=update_tokens,
                                   lr=lr, config=tc, forward=self.forward, ddp=self.ddp)  # fmt: skip
                 self.skipped.record(step.skipped)
+                if self.ema is not None:
+                    self.ema.update(progress.step)
                 self.last_step = step
                 progress.train_seconds += time.perf_counter() - started
                 # a skipped update's NaN must not poison the mean
@@ -196,12 +204,16 @@ class Trainer:
                 stop_reason = self._stop_reason(check_clock=log_step)
                 if log_step:  # the clock differs between ranks: rank 0 decides, on log steps only
                     stop_reason = dist.broadcast(stop_reason)
+                if stop_reason and progress.step % tc.valid_every:
+                    self._validate(bar)  # the final weights (at the floor of a budgeted schedule) may be the best
                 if progress.step % tc.save_every == 0 or stop_reason:
                     self._save()
             if progress.next_batch + per_update > len(batches):
                 progress.epoch, progress.next_batch = progress.epoch + 1, 0
                 if tc.max_epochs and progress.epoch > tc.max_epochs and not stop_reason:
                     stop_reason = f"max_epochs ({tc.max_epochs})"
+                    if progress.step % tc.valid_every:
+                        self._validate(bar)
                     self._save()
         bar.close()
         # Leave together, once rank 0 has written the last checkpoint: a gloo rank that tore its group
@@ -253,25 +265,39 @@ class Trainer:
         )
 
     def _validate(self, bar: tqdm) -> None:
-        """Rank 0 validates; the outcome (best BLEU, patience count) is shared so all ranks stop together."""
+        """Rank 0 validates (the trained weights, and their average when train.ema_decay keeps one);
+        the outcome (best BLEU, patience count) is shared so all ranks stop together."""
         progress = self.progress
         if self.dist.is_main:
             result = self.evaluate_valid()
-            improved = result.scores.bleu > progress.best_bleu
+            averaged = None
+            if self.ema is not None:
+                with self.ema.swapped_in():
+                    averaged = self.evaluate_valid()
+            chosen = averaged if averaged is not None and averaged.scores.bleu > result.scores.bleu else result
+            improved = chosen.scores.bleu > progress.best_bleu
             if improved:
-                progress.best_bleu, progress.stale_validations = result.scores.bleu, 0
+                progress.best_bleu, progress.stale_validations = chosen.scores.bleu, 0
             else:
                 progress.stale_validations += 1
             bar.write(f"step {progress.step}: valid loss {result.loss:.3f}, ppl {result.perplexity:.2f}, "
                       f"BLEU {result.scores.bleu:.2f}, chrF {result.scores.chrf:.2f}")  # fmt: skip
-            samples = zip(self.data.valid_text.src, self.data.valid_text.tgt, result.hypotheses)
+            if averaged is not None:
+                bar.write(f"  weight average (ema): valid loss {averaged.loss:.3f}, BLEU {averaged.scores.bleu:.2f}, "
+                          f"chrF {averaged.scores.chrf:.2f}")  # fmt: skip
+            samples = zip(self.data.valid_text.src, self.data.valid_text.tgt, chosen.hypotheses)
             for src, ref, hyp in list(samples)[:2]:
                 bar.write(f"  src: {src}\n  ref: {ref}\n  hyp: {hyp}")
+            extra = {} if averaged is None else {"ema_loss": averaged.loss, "ema_bleu": averaged.scores.bleu,
+                                                 "ema_chrf": averaged.scores.chrf}  # fmt: skip
             self.metrics.write("valid", step=progress.step, loss=result.loss, ppl=result.perplexity,
-                               bleu=result.scores.bleu, chrf=result.scores.chrf)  # fmt: skip
+                               bleu=result.scores.bleu, chrf=result.scores.chrf, **extra)  # fmt: skip
             if improved:
                 # best.pt is for translation, not resuming: rank 0's own RNG state is enough (no collective)
-                self._checkpoint([torch.get_rng_state()]).save(self.run_dir.checkpoints / BEST)
+                best = self._checkpoint([torch.get_rng_state()])
+                if chosen is averaged:
+                    best = dataclasses.replace(best, model=self.ema.model_state(self.model), weights="ema")
+                best.save(self.run_dir.checkpoints / BEST)
         progress.best_bleu, progress.stale_validations = self.dist.broadcast(
             (progress.best_bleu, progress.stale_validations)
         )
@@ -299,6 +325,7 @@ class Trainer:
             scaler=self.scaler.state_dict(),
             progress=dataclasses.replace(self.progress),
             rng=RngStates(rng_states, torch.cuda.get_rng_state_all()),
+            ema=self.ema.state_dict() if self.ema is not None else {},
         )
 
     def _save(self) -> None:
@@ -312,6 +339,10 @@ class Trainer:
         self.optimizer.load_state_dict(checkpoint.optimizer)
         self.scaler.load_state_dict(checkpoint.scaler)
         self.progress = checkpoint.progress
+        if self.ema is not None and checkpoint.ema:
+            self.ema.load_state_dict(checkpoint.ema)
+        elif self.ema is not None:
+            log.info("train.ema_decay is new to this run: the weight average starts from the resumed weights")
         rng_states = checkpoint.rng.torch
         if len(rng_states) == self.dist.world_size:
             torch.set_rng_state(rng_states[self.dist.rank])

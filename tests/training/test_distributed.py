@@ -51,8 +51,8 @@ def test_two_ranks_equal_one_process_with_the_same_global_batch(tmp_path, config
         torch.testing.assert_close(ddp[name], tensor, atol=1e-6, rtol=0, msg=name)
     halfway = Checkpoint.load(tmp_path / "single" / "checkpoints" / "step_00000003.pt").model
     assert not torch.equal(halfway["output_proj.weight"], single["output_proj.weight"])  # training moved them
-    log = (tmp_path / "ddp" / "metrics.jsonl").read_text().splitlines()
-    assert [yaml.safe_load(line)["step"] for line in log] == [3, 6]  # rank 0 alone logs
+    log = [yaml.safe_load(line) for line in (tmp_path / "ddp" / "metrics.jsonl").read_text().splitlines()]
+    assert [(line["kind"], line["step"]) for line in log] == [("train", 3), ("train", 6), ("valid", 6)]  # rank 0 alone
 
 
 def test_two_ranks_resume_where_they_stopped(tmp_path, config):

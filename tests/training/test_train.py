@@ -3,6 +3,7 @@ stop rules, skipped updates, no host reads per step, mixed precision behaves."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -67,7 +68,10 @@ def _train_command(config: Path, run_dir: Path, *extra: str) -> list[str]:
 
 @pytest.mark.slow
 def test_resume_after_sigkill_equals_an_uninterrupted_run(tmp_path, tiny_data):
-    raw = tiny_config_dict(tiny_data, max_steps=150, save_every=10, valid_every=1000, log_every=10)
+    # a budgeted schedule whose warmup ends before the kill: the resumed run must decay from where it
+    # did; and a weight average, which must continue where it stopped
+    raw = tiny_config_dict(tiny_data, max_steps=150, save_every=10, valid_every=1000, log_every=10,
+                           schedule="linear", warmup_steps=10, min_lr=0.0004, ema_decay=0.99)  # fmt: skip
     config = tmp_path / "c.yaml"
     config.write_text(yaml.safe_dump(raw))
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -89,8 +93,15 @@ def test_resume_after_sigkill_equals_an_uninterrupted_run(tmp_path, tiny_data):
     assert resumed.progress.step == straight.progress.step == 150
     for name, tensor in straight.model.items():
         assert torch.equal(tensor, resumed.model[name]), name
-    steps = [r["step"] for r in map(yaml.safe_load, (killed / "metrics.jsonl").read_text().splitlines())]
+    assert straight.ema.keys() == resumed.ema.keys() and straight.ema
+    for name, tensor in straight.ema.items():
+        assert torch.equal(tensor, resumed.ema[name]), name
+    logged = [
+        r for r in map(yaml.safe_load, (killed / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"
+    ]
+    steps = [r["step"] for r in logged]
     assert steps == sorted(steps) and len(steps) == len(set(steps))  # no step logged twice
+    assert logged[-1]["step"] == 150 and logged[-1]["lr"] == pytest.approx(0.0004)  # the floor at the budget
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA; fp16 is allowed there")
@@ -120,6 +131,39 @@ def test_stopping_rules(tmp_path, tiny_data, settings, reason):
     result = make_trainer(tmp_path, tiny_data, **settings).run()
     assert reason in result.stop_reason
     assert result.last_checkpoint.exists()
+
+
+class FakeClock:
+    """perf_counter for the trainer: one second passes between any two readings, so every update
+    (timed from before its batches to after its step) takes exactly one second."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+@pytest.mark.parametrize(
+    ("budget", "last_step"),
+    [({"max_time": 12.0, "log_every": 1}, 12), ({"max_epochs": 1, "max_tokens": 1024, "log_every": 1}, None)],
+)
+def test_a_budgeted_schedule_ends_at_its_floor(tmp_path, tiny_data, monkeypatch, budget, last_step):
+    """Whatever the budget (seconds, here on a clock that ticks once per update, or one epoch), the
+    linear schedule's last update runs at min_lr and the run's final weights are validated."""
+    monkeypatch.setattr("seq2seq.training.trainer.time", FakeClock())
+    trainer = make_trainer(tmp_path, tiny_data, max_steps=10_000, schedule="linear", warmup_steps=3,
+                           min_lr=0.0005, valid_every=1000, **budget)  # fmt: skip
+    result = trainer.run()
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rates = [r["lr"] for r in records if r["kind"] == "train"]
+    assert rates[-1] == pytest.approx(0.0005) and min(rates) == pytest.approx(0.0005)
+    assert max(rates) == pytest.approx(0.004)  # the peak, once warmup is over
+    assert rates[3:] == sorted(rates[3:], reverse=True)  # decaying since
+    assert last_step is None or result.progress.step == last_step
+    assert records[-1]["kind"] == "valid" and records[-1]["step"] == result.progress.step
+    assert (tmp_path / "run" / "checkpoints" / "best.pt").exists()
 
 
 def test_existing_run_directory_is_not_overwritten(tmp_path, tiny_data):
