@@ -59,11 +59,22 @@ class DataConfig:
     max_length: int = 256  # drop training pairs longer than this many tokens on either side
     max_length_ratio: float = 0.0  # drop pairs whose length ratio exceeds this; 0 disables
     cache_dir: str = ".cache/seq2seq"  # encoded training data is kept here for later runs; "" disables
+    # subword regularisation (Kudo 2018; BPE-dropout, Provilkov et al. 2020): the training split encoded
+    # `subword_variants` times with SentencePiece sampling, one segmentation per epoch, in turn
+    subword_alpha: float = 0.0  # 0 = off; unigram: the smoothing alpha (e.g. 0.1); bpe: the dropout rate
+    subword_nbest: int = -1  # unigram: sample among the n best segmentations (-1 = all of them)
+    subword_variants: int = 8  # segmentations encoded (and cached) once, reused in turn by the epochs
 
     def problems(self) -> list[tuple[str, str]]:
         found = []
         if self.max_length < 1:
             found.append(("max_length", "expected an integer >= 1"))
+        if not 0.0 <= self.subword_alpha < 1.0:
+            found.append(("subword_alpha", "expected a number in [0, 1) (0 = no subword sampling)"))
+        if self.subword_nbest == 0 or self.subword_nbest < -1:
+            found.append(("subword_nbest", "expected -1 (every segmentation) or an integer >= 1"))
+        if self.subword_variants < 1:
+            found.append(("subword_variants", "expected an integer >= 1"))
         if self.max_length_ratio < 0:
             found.append(("max_length_ratio", "expected a number >= 0 (0 disables the filter)"))
         return found

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from seq2seq.data.sources import chunked
-from seq2seq.data.tokenizer import Tokenizer
+from seq2seq.data.tokenizer import SubwordSampling, Tokenizer
 
 ENCODE_CHUNK = 50_000  # sentences per tokenizer call: bounds the temporary Python lists
 ID_DTYPE = np.dtype("<i4")
@@ -121,14 +121,15 @@ class FilterReport:
         return FilterReport(self.kept + other.kept, self.too_long + other.too_long, self.bad_ratio + other.bad_ratio)
 
 
-def encode_chunks(tokenizer: Tokenizer, pairs: Iterable[tuple[str, str]]) -> Iterator[EncodedCorpus]:
-    """Encode a stream of pairs chunk by chunk with all cores (SentencePiece threads); only one chunk
-    of text is held in memory at a time."""
+def encode_chunks(
+    tokenizer: Tokenizer, pairs: Iterable[tuple[str, str]], sampling: SubwordSampling | None = None
+) -> Iterator[EncodedCorpus]:
+    """Encode a stream of pairs chunk by chunk with all cores (SentencePiece threads; one, when the
+    segmentation is sampled, so that its seed repeats it); only one chunk of text is held in memory."""
     for chunk in chunked(pairs, ENCODE_CHUNK):
         src, tgt = zip(*chunk)
-        yield EncodedCorpus(
-            RaggedIds.from_lists(tokenizer.encode_src(list(src))), RaggedIds.from_lists(tokenizer.encode_tgt(list(tgt)))
-        )
+        yield EncodedCorpus(RaggedIds.from_lists(tokenizer.encode_src(list(src), sampling)),
+                            RaggedIds.from_lists(tokenizer.encode_tgt(list(tgt), sampling)))  # fmt: skip
 
 
 def encode_pairs(tokenizer: Tokenizer, pairs: Iterable[tuple[str, str]]) -> EncodedCorpus:

@@ -2,7 +2,10 @@
 
 The training split is streamed: neither its text nor its token ids are ever held in memory as a
 whole; chunks are encoded, filtered and appended to the encoding cache (data.cache_dir), from which
-the ids are then memory-mapped.
+the ids are then memory-mapped. With subword sampling (data.subword_alpha), the training split is
+encoded `subword_variants` times, each a seeded sampled segmentation with its own cache entry, and
+epoch e trains on variant (e - 1) mod n: the order depends on the epoch alone, so a resumed run
+trains on what the uninterrupted one would.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from seq2seq.config import DataConfig
 from seq2seq.data import cache
 from seq2seq.data.encoded import EncodedCorpus, FilterReport, encode_chunks, encode_pairs, length_filter, write_corpus
 from seq2seq.data.sources import PairCounts, ParallelText, iter_pairs, read_corpus, with_progress
-from seq2seq.data.tokenizer import Tokenizer
+from seq2seq.data.tokenizer import SubwordSampling, Tokenizer
 from seq2seq.errors import UserInputError
 
 log = logging.getLogger(__name__)
@@ -24,9 +27,14 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class TrainingData:
-    train: EncodedCorpus
-    valid: EncodedCorpus
+    train: EncodedCorpus  # the first (or only) segmentation of the training split
+    valid: EncodedCorpus  # never sampled
     valid_text: ParallelText  # raw sentences: BLEU is computed on detokenized text
+    variants: tuple[EncodedCorpus, ...] = ()  # sampled segmentations of the training split, one per epoch in turn
+
+    def train_for_epoch(self, epoch: int) -> EncodedCorpus:
+        """The training split as epoch `epoch` (1 = the first) sees it."""
+        return self.variants[(epoch - 1) % len(self.variants)] if self.variants else self.train
 
 
 def stream_split(data: DataConfig, split: str, counts: PairCounts | None = None) -> Iterator[tuple[str, str]]:
@@ -46,20 +54,27 @@ def read_split(data: DataConfig, split: str) -> ParallelText:
     return text
 
 
-def encode_training_split(data: DataConfig, tokenizer: Tokenizer, *, progress: bool = False) -> EncodedCorpus:
-    """The filtered training ids: from the cache when this data and tokenizer were encoded before."""
+def encode_training_split(
+    data: DataConfig, tokenizer: Tokenizer, *, progress: bool = False, sampled_seed: int | None = None
+) -> EncodedCorpus:
+    """The filtered training ids: from the cache when this data and tokenizer were encoded before.
+    With `sampled_seed`, a segmentation drawn under that seed with data.subword_alpha/nbest."""
     report: dict = {}
+    sampling = None if sampled_seed is None else SubwordSampling(data.subword_alpha, data.subword_nbest)
     if not data.cache_dir:
-        corpus = EncodedCorpus.concatenate(list(_filtered_chunks(data, tokenizer, report, progress)))
+        corpus = EncodedCorpus.concatenate(list(_filtered_chunks(data, tokenizer, report, progress, sampling,
+                                                                 sampled_seed)))  # fmt: skip
         _log_report(report, "")
         return corpus
     settings = {"langs": [data.src_lang, data.tgt_lang], "max_length": data.max_length,
                 "max_length_ratio": data.max_length_ratio}  # fmt: skip
+    if sampling is not None:
+        settings["sampled"] = {"alpha": sampling.alpha, "nbest": sampling.nbest, "seed": sampled_seed}
     entry = Path(data.cache_dir) / cache.cache_key(data.train, tokenizer=tokenizer, settings=settings)
     cached, source = cache.load_cached(entry), f" (from the cache {entry})"
     if cached is None:
         with cache.new_entry(entry) as folder:
-            write_corpus(folder, _filtered_chunks(data, tokenizer, report, progress))
+            write_corpus(folder, _filtered_chunks(data, tokenizer, report, progress, sampling, sampled_seed))
             cache.write_report(folder, report)
         cached, source = cache.load_cached(entry), f"; cached in {entry}"
     corpus, report = cached
@@ -67,12 +82,21 @@ def encode_training_split(data: DataConfig, tokenizer: Tokenizer, *, progress: b
     return corpus
 
 
-def _filtered_chunks(data: DataConfig, tokenizer: Tokenizer, report: dict, progress: bool) -> Iterator[EncodedCorpus]:
+def _filtered_chunks(
+    data: DataConfig,
+    tokenizer: Tokenizer,
+    report: dict,
+    progress: bool,
+    sampling: SubwordSampling | None,
+    sampled_seed: int | None,
+) -> Iterator[EncodedCorpus]:
     """The training split streamed through the tokenizer and the length filters, chunk by chunk; once
     exhausted, `report` holds the counts of what was read, removed and kept."""
     counts, filtered = PairCounts(), FilterReport(0, 0, 0)
     pairs = with_progress(stream_split(data, "train", counts), "encode data.train", enabled=progress)
-    for chunk in encode_chunks(tokenizer, pairs):
+    if sampling is not None:
+        sampling.seed(sampled_seed)
+    for chunk in encode_chunks(tokenizer, pairs, sampling):
         keep, chunk_report = length_filter(chunk, max_length=data.max_length, max_ratio=data.max_length_ratio)
         yield chunk.subset(keep)
         filtered += chunk_report
@@ -85,12 +109,22 @@ def _filtered_chunks(data: DataConfig, tokenizer: Tokenizer, report: dict, progr
 
 
 def prepare_training_data(
-    data: DataConfig, tokenizer: Tokenizer, valid_text: ParallelText | None = None, *, progress: bool = False
+    data: DataConfig,
+    tokenizer: Tokenizer,
+    valid_text: ParallelText | None = None,
+    *,
+    progress: bool = False,
+    seed: int = 1,
 ) -> TrainingData:
+    """The encoded splits; with data.subword_alpha, the sampled segmentations too, variant v drawn
+    under the seed 1000 * `seed` (the run's) + v."""
     valid_text = valid_text if valid_text is not None else read_split(data, "valid")
-    train = encode_training_split(data, tokenizer, progress=progress)
     valid = encode_pairs(tokenizer, zip(valid_text.src, valid_text.tgt))
-    return TrainingData(train, valid, valid_text)
+    if not data.subword_alpha:
+        return TrainingData(encode_training_split(data, tokenizer, progress=progress), valid, valid_text)
+    variants = tuple(encode_training_split(data, tokenizer, progress=progress, sampled_seed=1000 * seed + variant)
+                     for variant in range(data.subword_variants))  # fmt: skip
+    return TrainingData(variants[0], valid, valid_text, variants)
 
 
 def _log_report(report: dict, source: str) -> None:

@@ -31,6 +31,27 @@ log = logging.getLogger(__name__)
 TRAINED_ON = "trained_on.json"  # the settings and data identity a saved tokenizer was trained with
 
 
+@dataclasses.dataclass(frozen=True)
+class SubwordSampling:
+    """SentencePiece's sampled segmentation (subword regularisation): `alpha` smooths the unigram
+    model's distribution over segmentations (BPE: the probability of dropping a merge); `nbest`
+    limits a unigram draw to the n best segmentations (-1: all of them)."""
+
+    alpha: float
+    nbest: int = -1
+
+    def seed(self, seed: int) -> None:
+        """Seed SentencePiece's generator (process-wide): the draws that follow repeat under a seed,
+        as long as they run on one thread (_encode_options)."""
+        spm.set_random_generator_seed(seed)
+
+
+def _encode_options(sampling: SubwordSampling | None) -> dict:
+    if sampling is None:
+        return {"num_threads": _threads()}
+    return {"enable_sampling": True, "alpha": sampling.alpha, "nbest_size": sampling.nbest, "num_threads": 1}
+
+
 class Tokenizer:
     """Source and target SentencePiece models (the same object when the vocabulary is joint)."""
 
@@ -50,13 +71,13 @@ class Tokenizer:
     def tgt_vocab_size(self) -> int:
         return self.tgt_model.get_piece_size()
 
-    def encode_src(self, lines: list[str]) -> list[list[int]]:
+    def encode_src(self, lines: list[str], sampling: SubwordSampling | None = None) -> list[list[int]]:
         """Source ids end with EOS (the encoder sees where the sentence stops)."""
-        return self.src_model.encode(lines, out_type=int, add_eos=True, num_threads=_threads())
+        return self.src_model.encode(lines, out_type=int, add_eos=True, **_encode_options(sampling))
 
-    def encode_tgt(self, lines: list[str]) -> list[list[int]]:
+    def encode_tgt(self, lines: list[str], sampling: SubwordSampling | None = None) -> list[list[int]]:
         """Target ids without BOS/EOS; `Batch` adds them for teacher forcing."""
-        return self.tgt_model.encode(lines, out_type=int, num_threads=_threads())
+        return self.tgt_model.encode(lines, out_type=int, **_encode_options(sampling))
 
     def decode_tgt(self, ids: list[int]) -> str:
         """Text of output ids: PAD, BOS and EOS dropped, an unknown token shown as SentencePiece shows

@@ -106,11 +106,11 @@ def prepare_run(
         run_dir.remove_stale_temporaries()
         write_text_atomic(run_dir.config_file, yaml.safe_dump(config.to_dict(), sort_keys=False))
         tokenizer = tokenizer or _load_or_train_tokenizer(config, run_dir, progress)
-        data = prepare_training_data(config.data, tokenizer, valid_text, progress=progress)
+        data = prepare_training_data(config.data, tokenizer, valid_text, progress=progress, seed=config.train.seed)
     dist.barrier()
     if not dist.is_main:
         tokenizer = tokenizer or Tokenizer.load(run_dir.tokenizer)
-        data = prepare_training_data(config.data, tokenizer, valid_text)
+        data = prepare_training_data(config.data, tokenizer, valid_text, seed=config.train.seed)
     return tokenizer, data
 
 

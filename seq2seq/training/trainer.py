@@ -153,14 +153,15 @@ class Trainer:
         log.info("effective batch: up to %d tokens x %d ranks x %d accumulation steps = %d tokens per update",
                  tc.max_tokens, dist.world_size, tc.accum_steps, tc.max_tokens * per_update)  # fmt: skip
         bar = tqdm(total=tc.max_steps, initial=progress.step, desc="train", unit="step", disable=not self.show_progress)
-        target_lengths = self.data.train.tgt.lengths() + 1
         # loss and tokens of the applied updates stay on the device until logged; window_tokens counts all
         window_loss = torch.zeros((), dtype=torch.float64, device=self.device)
         window_loss_tokens = torch.zeros_like(window_loss)
         window_tokens, window_start = 0, time.perf_counter()
         stop_reason = self._stop_reason(check_clock=True)  # a resumed run may have finished already
         while not stop_reason:
-            batches = epoch_batches(self.data.train, max_tokens=tc.max_tokens, seed=tc.seed, epoch=progress.epoch)
+            corpus = self.data.train_for_epoch(progress.epoch)  # subword sampling: this epoch's segmentation
+            target_lengths = corpus.tgt.lengths() + 1
+            batches = epoch_batches(corpus, max_tokens=tc.max_tokens, seed=tc.seed, epoch=progress.epoch)
             if len(batches) < per_update:
                 raise UserInputError(f"data.train: {len(batches)} batches per epoch; one update needs {per_update}")
             while progress.next_batch + per_update <= len(batches) and not stop_reason:
@@ -169,7 +170,7 @@ class Trainer:
                 mine = group[dist.rank * tc.accum_steps : (dist.rank + 1) * tc.accum_steps]
                 update_tokens = int(sum(target_lengths[indices].sum() for indices in group))
                 started = time.perf_counter()
-                my_batches = [make_batch(self.data.train, indices) for indices in mine]
+                my_batches = [make_batch(corpus, indices) for indices in mine]
                 my_tokens = sum(batch.num_tokens for batch in my_batches)
                 progress.step += 1
                 spent = budget_spent(progress, tc, batches_per_epoch=len(batches) - len(batches) % per_update)

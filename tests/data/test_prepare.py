@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -75,3 +76,34 @@ def test_ids_are_never_whole_in_memory_while_the_cache_is_written(tiny_data, mon
     config, tokenizer = make(tiny_data)
     corpus = prepare.encode_training_split(config, tokenizer)
     assert len(corpus) == 3000 and isinstance(corpus.tgt.ids, np.memmap)
+
+
+def test_sampled_segmentations_are_seeded_cached_and_taken_in_turn_by_epochs(tiny_data, monkeypatch):
+    """Subword sampling: each variant is a different segmentation of the same text (it decodes back
+    to it), a seed repeats it (from a fresh encode, cache off), a second preparation reads every
+    variant from the cache, and epochs take the variants in turn."""
+    config, tokenizer = make(tiny_data, subword_alpha=0.2, subword_variants=3)
+    data = prepare.prepare_training_data(config, tokenizer, seed=5)
+    assert len(data.variants) == 3 and data.train is data.variants[0]
+    assert [data.train_for_epoch(epoch) is data.variants[(epoch - 1) % 3] for epoch in range(1, 8)] == [True] * 7
+    plain = prepare.encode_training_split(dataclasses.replace(config, subword_alpha=0.0), tokenizer)
+    texts = [tokenizer.decode_tgt(plain.tgt[i].tolist()) for i in range(50)]
+    for variant in data.variants:
+        assert [tokenizer.decode_tgt(variant.tgt[i].tolist()) for i in range(50)] == texts
+    differing = [sum(not np.array_equal(a.tgt[i], b.tgt[i]) for i in range(200))
+                 for a, b in [(plain, data.variants[0]), (data.variants[0], data.variants[1])]]  # fmt: skip
+    assert min(differing) > 20, differing  # sampled: many segmentations differ from the plain one and each other
+    again = prepare.encode_training_split(dataclasses.replace(config, cache_dir=""), tokenizer, sampled_seed=5001)
+    assert np.array_equal(again.src.ids, data.variants[1].src.ids)  # seed 1000 * 5 + 1, encoded anew
+    assert np.array_equal(again.tgt.ids, data.variants[1].tgt.ids)
+    monkeypatch.setattr(prepare, "encode_chunks", lambda *a: pytest.fail("encoded again despite the cache"))
+    cached = prepare.prepare_training_data(config, tokenizer, seed=5)
+    assert all(np.array_equal(a.tgt.ids, b.tgt.ids) for a, b in zip(cached.variants, data.variants))
+
+
+@pytest.mark.parametrize(("key", "value"), [("subword_alpha", 1.5), ("subword_nbest", 0), ("subword_variants", 0)])
+def test_impossible_subword_settings_are_named(tiny_data, key, value):
+    raw = tiny_config_dict(tiny_data)
+    raw["data"][key] = value
+    with pytest.raises(UserInputError, match=f"data.{key}"):
+        config_from_dict(raw, origin="test")

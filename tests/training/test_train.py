@@ -69,9 +69,10 @@ def _train_command(config: Path, run_dir: Path, *extra: str) -> list[str]:
 @pytest.mark.slow
 def test_resume_after_sigkill_equals_an_uninterrupted_run(tmp_path, tiny_data):
     # a budgeted schedule whose warmup ends before the kill: the resumed run must decay from where it
-    # did; and a weight average, which must continue where it stopped
+    # did; a weight average, which must continue where it stopped; epochs crossing sampled segmentations
     raw = tiny_config_dict(tiny_data, max_steps=150, save_every=10, valid_every=1000, log_every=10,
                            schedule="linear", warmup_steps=10, min_lr=0.0004, ema_decay=0.99)  # fmt: skip
+    raw["data"].update(subword_alpha=0.2, subword_variants=3)  # and each epoch its own sampled segmentation
     config = tmp_path / "c.yaml"
     config.write_text(yaml.safe_dump(raw))
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
