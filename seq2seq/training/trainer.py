@@ -131,6 +131,7 @@ class Trainer:
         self.scaler = build_scaler(self.device, tc.precision)
         self.ema = ExponentialAverage(self.model, tc.ema_decay) if tc.ema_decay else None
         self.progress = Progress()
+        self.budget_spent = 0.0  # share of the run's budget spent (schedule.budget_spent), for the progress bar
         self.last_step: StepResult | None = None
         self.skipped = SkippedUpdates(self.device)
         self.rss_peaks = PeakRss()
@@ -152,7 +153,9 @@ class Trainer:
         log.info("precision: %s (%s)", tc.precision, self.precision_reason)
         log.info("effective batch: up to %d tokens x %d ranks x %d accumulation steps = %d tokens per update",
                  tc.max_tokens, dist.world_size, tc.accum_steps, tc.max_tokens * per_update)  # fmt: skip
-        bar = tqdm(total=tc.max_steps, initial=progress.step, desc="train", unit="step", disable=not self.show_progress)
+        steps_alone = not (tc.max_time or tc.max_epochs)  # else the bar counts steps and shows the budget spent
+        bar = tqdm(total=tc.max_steps if steps_alone else None, initial=progress.step, desc="train", unit="step",
+                   disable=not self.show_progress)  # fmt: skip
         # loss and tokens of the applied updates stay on the device until logged; window_tokens counts all
         window_loss = torch.zeros((), dtype=torch.float64, device=self.device)
         window_loss_tokens = torch.zeros_like(window_loss)
@@ -178,6 +181,7 @@ class Trainer:
                     progress.decay_start = spent
                 lr = learning_rate(progress.step, tc, d_model=self.config.model.d_model, spent=spent,
                                    decay_start=progress.decay_start)  # fmt: skip
+                self.budget_spent = spent
                 step = train_step(self.model, self.optimizer, self.scaler, my_batches, update_tokens=update_tokens,
                                   lr=lr, config=tc, forward=self.forward, ddp=self.ddp)  # fmt: skip
                 self.skipped.record(step.skipped)
@@ -241,7 +245,11 @@ class Trainer:
             return
         lr = self.optimizer.param_groups[0]["lr"]
         bar.set_postfix(
-            epoch=self.progress.epoch, loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_second:,.0f}"
+            epoch=self.progress.epoch,
+            loss=f"{loss:.3f}",
+            lr=f"{lr:.2e}",
+            tok_s=f"{tokens_per_second:,.0f}",
+            budget=f"{self.budget_spent:.0%}",
         )
         self.metrics.write(
             "train",
@@ -252,6 +260,7 @@ class Trainer:
             grad_norm=float(self.last_step.grad_norm),
             tokens_per_second=tokens_per_second,
             skipped_steps=self.progress.skipped_steps,
+            budget_spent=self.budget_spent,
             **memory_figures(self.device, self.rss_peaks),
         )
 
