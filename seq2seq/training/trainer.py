@@ -1,8 +1,10 @@
 """The training loop and its stop rules: batches in a seeded order, one `train_step` per update, logging
-windows, periodic validation and best.pt, checkpoints and exact resume, DistributedDataParallel.
+windows, periodic validation (and a last one when the run stops) and best.pt, checkpoints and exact
+resume, DistributedDataParallel.
 
-The update itself is train_step.py; the run directory and data preparation, run_dir.py; the
-checkpoint format, checkpoint.py.
+The update itself is train_step.py; the learning rate for the budget spent, schedule.py; the weight
+average, weight_average.py; the run directory and data preparation, run_dir.py; the checkpoint
+format, checkpoint.py.
 """
 
 from __future__ import annotations
