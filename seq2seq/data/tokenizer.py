@@ -38,7 +38,7 @@ class SubwordSampling:
     limits a unigram draw to the n best segmentations (-1: all of them)."""
 
     alpha: float
-    nbest: int = -1
+    nbest: int = 64
 
     def seed(self, seed: int) -> None:
         """Seed SentencePiece's generator (process-wide): the draws that follow repeat under a seed,
