@@ -16,18 +16,23 @@ from seq2seq.checkpoint import Progress
 from seq2seq.config import TrainConfig
 
 
-def budget_spent(progress: Progress, config: TrainConfig, *, batches_per_epoch: int) -> float:
+def budget_spent(
+    progress: Progress, config: TrainConfig, *, batches_per_epoch: int, seconds_per_update: float | None = None
+) -> float:
     """The share of the budget spent once the current update is done, in [0, 1]: the largest of
     updates / max_steps, training seconds / max_time and epochs / max_epochs, since the run stops
     when the first of them reaches 1 (trainer.Trainer._stop_reason).
 
-    Training seconds are projected to the end of the current update from the mean update so far,
-    so that the last update before the deadline runs at the floor. Everything is read from the
-    progress that checkpoints keep: a resumed run counts the time spent before it stopped."""
+    Training seconds are projected to the end of the current update from the mean update so far
+    (`seconds_per_update`; by default from this process's progress), so that the last update before
+    the deadline runs at the floor. Distributed ranks pass the mean of rank 0's clock, shared at log
+    steps, so that every rank computes the same rate. A resumed run counts the time spent before it
+    stopped (the progress that checkpoints keep)."""
     spent = progress.step / config.max_steps
-    if config.max_time and progress.step > 1:
-        projected = progress.train_seconds * progress.step / (progress.step - 1)
-        spent = max(spent, projected / config.max_time)
+    if seconds_per_update is None:
+        seconds_per_update = progress.train_seconds / (progress.step - 1) if progress.step > 1 else 0.0
+    if config.max_time:
+        spent = max(spent, seconds_per_update * progress.step / config.max_time)
     if config.max_epochs:
         epochs = progress.epoch - 1 + progress.next_batch / max(batches_per_epoch, 1)
         spent = max(spent, epochs / config.max_epochs)

@@ -134,6 +134,9 @@ class Trainer:
         self.ema = ExponentialAverage(self.model, tc.ema_decay) if tc.ema_decay else None
         self.progress = Progress()
         self.budget_spent = 0.0  # share of the run's budget spent (schedule.budget_spent), for the progress bar
+        # ranks read their own clocks: under DDP the time share of the budget comes from rank 0's clock,
+        # shared at log steps (0 until the first), so that every rank sets the same learning rate
+        self.shared_seconds_per_update = 0.0 if self.dist.enabled else None
         self.last_step: StepResult | None = None
         self.skipped = SkippedUpdates(self.device)
         self.rss_peaks = PeakRss()
@@ -178,7 +181,8 @@ class Trainer:
                 my_batches = [make_batch(corpus, indices) for indices in mine]
                 my_tokens = sum(batch.num_tokens for batch in my_batches)
                 progress.step += 1
-                spent = budget_spent(progress, tc, batches_per_epoch=len(batches) - len(batches) % per_update)
+                spent = budget_spent(progress, tc, batches_per_epoch=len(batches) - len(batches) % per_update,
+                                     seconds_per_update=self.shared_seconds_per_update)  # fmt: skip
                 if progress.step == tc.warmup_steps:
                     progress.decay_start = spent
                 lr = learning_rate(progress.step, tc, d_model=self.config.model.d_model, spent=spent,
@@ -208,9 +212,10 @@ class Trainer:
                     self._validate(bar)
                 if self.device.type == "cpu" and progress.step % HEAP_TRIM_EVERY == 0:
                     release_free_heap()  # see host_memory.py: keeps RSS near what is in use
-                stop_reason = self._stop_reason(check_clock=log_step)
-                if log_step:  # the clock differs between ranks: rank 0 decides, on log steps only
+                stop_reason = self._stop_reason(check_clock=log_step or not dist.enabled)
+                if log_step and dist.enabled:  # the clock differs between ranks: rank 0 decides, on log steps only
                     stop_reason = dist.broadcast(stop_reason)
+                    self.shared_seconds_per_update = dist.broadcast(progress.train_seconds) / progress.step
                 if stop_reason and progress.step % tc.valid_every:
                     self._validate(bar)  # the final weights (at the floor of a budgeted schedule) may be the best
                 if progress.step % tc.save_every == 0 or stop_reason:
@@ -351,6 +356,8 @@ class Trainer:
         self.optimizer.load_state_dict(checkpoint.optimizer)
         self.scaler.load_state_dict(checkpoint.scaler)
         self.progress = checkpoint.progress
+        if self.dist.enabled and self.progress.step:  # the saved clock is rank 0's, the same for every rank
+            self.shared_seconds_per_update = self.progress.train_seconds / self.progress.step
         if self.ema is not None and checkpoint.ema:
             self.ema.load_state_dict(checkpoint.ema)
         elif self.ema is not None:

@@ -167,6 +167,12 @@ def test_a_budgeted_schedule_ends_at_its_floor(tmp_path, tiny_data, monkeypatch,
     assert (tmp_path / "run" / "checkpoints" / "best.pt").exists()
 
 
+def test_a_single_process_run_stops_at_its_deadline_between_log_steps(tmp_path, tiny_data, monkeypatch):
+    monkeypatch.setattr("seq2seq.training.trainer.time", FakeClock())
+    trainer = make_trainer(tmp_path, tiny_data, max_steps=10_000, max_time=12.0, log_every=100, valid_every=1000)
+    assert trainer.run().progress.step == 12
+
+
 def test_existing_run_directory_is_not_overwritten(tmp_path, tiny_data):
     make_trainer(tmp_path, tiny_data, max_steps=2, valid_every=100).run()
     with pytest.raises(UserInputError, match="already has checkpoints; pass --resume"):
