@@ -18,9 +18,10 @@ from pathlib import Path
 from seq2seq.config import DataConfig
 from seq2seq.data import cache
 from seq2seq.data.encoded import EncodedCorpus, FilterReport, encode_chunks, encode_pairs, length_filter, write_corpus
-from seq2seq.data.sources import PairCounts, ParallelText, iter_pairs, read_corpus, with_progress
+from seq2seq.data.sources import PairCounts, ParallelText, iter_pairs, read_corpus
 from seq2seq.data.tokenizer import SubwordSampling, Tokenizer
 from seq2seq.errors import UserInputError
+from seq2seq.progress import with_progress
 
 log = logging.getLogger(__name__)
 

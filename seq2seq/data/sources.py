@@ -18,8 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, TypeVar
 
-from tqdm import tqdm
-
 from seq2seq.config import CorpusConfig
 from seq2seq.errors import UserInputError
 
@@ -117,18 +115,6 @@ def chunked(items: Iterable[T], size: int) -> Iterator[list[T]]:
     iterator = iter(items)
     while chunk := list(itertools.islice(iterator, size)):
         yield chunk
-
-
-def with_progress(items: Iterable[T], desc: str, *, enabled: bool) -> Iterator[T]:
-    """`items` passed through a progress bar on stderr, shown from the first item on (a stream that
-    is never read shows none)."""
-    if not enabled:
-        yield from items
-        return
-    with tqdm(desc=desc, unit=" pairs", unit_scale=True, leave=False) as bar:
-        for item in items:
-            bar.update()
-            yield item
 
 
 _SPACE_BUT_TAB_AT_ENDS = re.compile(r"^[^\S\t]+|[^\S\t]+$")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from seq2seq.config import DecodeConfig
 from seq2seq.data.batching import pad, token_batches
@@ -15,6 +14,7 @@ from seq2seq.data.tokenizer import Tokenizer
 from seq2seq.inference.engine import PairScore, Translation
 from seq2seq.inference.graphed_decoder import GraphedDecoder, graphs_apply
 from seq2seq.inference.search import Guidance, search
+from seq2seq.progress import progress_bar
 
 
 class PyTorchEngine:
@@ -83,7 +83,7 @@ def translate_lines(
     results: list[Translation] = [Translation([]) for _ in lines]  # an empty line stays empty
     batches = token_batches(lengths, max_tokens=config.batch_tokens)
     generator = torch.Generator(device).manual_seed(config.seed) if config.sample else None
-    with tqdm(total=len(lines), desc="translate", unit="sent", disable=not progress, leave=False) as bar:
+    with progress_bar(total=len(lines), desc="translate", unit="sent", enabled=progress, leave=False) as bar:
         bar.update(len(lines) - len(non_empty))
         for indices in batches:
             src = pad([encoded[i] for i in indices]).to(device)

@@ -30,6 +30,7 @@ from seq2seq.errors import UserInputError
 from seq2seq.files import atomic_write, check_writable
 from seq2seq.inference.engine import EXPORT_METADATA, Engine, PairScore, Translation
 from seq2seq.inference.glossary import Glossary, constraint_fields, merged_constraints
+from seq2seq.progress import progress_bar
 
 # A file is read, translated and written this many lines at a time, so memory stays flat however
 # long it is; within a chunk, lines are sorted by length into batches.
@@ -237,7 +238,7 @@ def translate_file(
     rows = guides.aligned(lines_in)
     chunks = ([row] for row in rows) if stream else chunked(rows, FILE_CHUNK_LINES)
     first_chunk = next(chunks, [])
-    bar = tqdm(desc="translate", unit="sent", disable=source == "-" or stream)
+    bar = progress_bar(desc="translate", unit="sent", enabled=not (source == "-" or stream))
     guided = guides != LineGuides()
     results = (result for chunk in itertools.chain([first_chunk], chunks)
                for result in _translated(translator, chunk, decode, bar, glossary, guided=guided))  # fmt: skip
@@ -271,7 +272,10 @@ def score_file(model: Path, *, src: Path, tgt: Path, output: str, decode_overrid
     translator = Translator.load(model, device=device)
     decode = translator.settings(decode_overrides)
     pairs = chunked(zip(read_lines(src), read_lines(tgt)), FILE_CHUNK_LINES)
-    with _output(output) as sink, tqdm(total=counts[0], desc="score", unit="pair", disable=output == "-") as bar:
+    with (
+        _output(output) as sink,
+        progress_bar(total=counts[0], desc="score", unit="pair", enabled=output != "-") as bar,
+    ):
         for chunk in pairs:
             for pair in translator.score_with([s for s, _ in chunk], [t for _, t in chunk], decode):
                 extra = "\t" + " ".join(f"{value:.4f}" for value in pair.log_probs) if per_token else ""

@@ -18,10 +18,11 @@ import yaml
 from seq2seq.checkpoint import numbered_checkpoints
 from seq2seq.config import Config, config_differences, is_run_defining
 from seq2seq.data.prepare import TrainingData, prepare_training_data, read_split, stream_split
-from seq2seq.data.sources import corpus_identity, with_progress
+from seq2seq.data.sources import corpus_identity
 from seq2seq.data.tokenizer import Tokenizer, load_or_train_tokenizer, saved_tokenizer_exists
 from seq2seq.errors import UserInputError
 from seq2seq.files import remove_stale_temporaries, write_text_atomic
+from seq2seq.progress import with_progress
 from seq2seq.training.distributed import DistributedContext
 
 log = logging.getLogger(__name__)

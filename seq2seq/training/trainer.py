@@ -25,6 +25,7 @@ from seq2seq.config import Config
 from seq2seq.data.batching import epoch_batches, make_batch
 from seq2seq.errors import UserInputError
 from seq2seq.model.transformer import build_model
+from seq2seq.progress import progress_bar
 from seq2seq.training.distributed import setup_distributed
 from seq2seq.training.host_memory import HEAP_TRIM_EVERY, release_free_heap
 from seq2seq.training.precision import choose_precision
@@ -159,8 +160,8 @@ class Trainer:
         log.info("effective batch: up to %d tokens x %d ranks x %d accumulation steps = %d tokens per update",
                  tc.max_tokens, dist.world_size, tc.accum_steps, tc.max_tokens * per_update)  # fmt: skip
         steps_alone = not (tc.max_time or tc.max_epochs)  # else the bar counts steps and shows the budget spent
-        bar = tqdm(total=tc.max_steps if steps_alone else None, initial=progress.step, desc="train", unit="step",
-                   disable=not self.show_progress)  # fmt: skip
+        bar = progress_bar(total=tc.max_steps if steps_alone else None, initial=progress.step, desc="train",
+                           unit="step", enabled=self.show_progress)  # fmt: skip
         # loss and tokens of the applied updates stay on the device until logged; window_tokens counts all
         window_loss = torch.zeros((), dtype=torch.float64, device=self.device)
         window_loss_tokens = torch.zeros_like(window_loss)
@@ -209,7 +210,7 @@ class Trainer:
                     window_loss_tokens.zero_()
                     window_tokens, window_start = 0, time.perf_counter()
                 if progress.step % tc.valid_every == 0:
-                    self._validate(bar)
+                    self._validate()
                 if self.device.type == "cpu" and progress.step % HEAP_TRIM_EVERY == 0:
                     release_free_heap()  # see host_memory.py: keeps RSS near what is in use
                 stop_reason = self._stop_reason(check_clock=log_step or not dist.enabled)
@@ -217,7 +218,7 @@ class Trainer:
                     stop_reason = dist.broadcast(stop_reason)
                     self.shared_seconds_per_update = dist.broadcast(progress.train_seconds) / progress.step
                 if stop_reason and progress.step % tc.valid_every:
-                    self._validate(bar)  # the final weights (at the floor of a budgeted schedule) may be the best
+                    self._validate()  # the final weights (at the floor of a budgeted schedule) may be the best
                 if progress.step % tc.save_every == 0 or stop_reason:
                     self._save()
             if progress.next_batch + per_update > len(batches):
@@ -225,7 +226,7 @@ class Trainer:
                 if tc.max_epochs and progress.epoch > tc.max_epochs and not stop_reason:
                     stop_reason = f"max_epochs ({tc.max_epochs})"
                     if progress.step % tc.valid_every:
-                        self._validate(bar)
+                        self._validate()
                     self._save()
         bar.close()
         # Leave together, once rank 0 has written the last checkpoint: a gloo rank that tore its group
@@ -281,7 +282,7 @@ class Trainer:
             autocast=self.autocast(),
         )
 
-    def _validate(self, bar: tqdm) -> None:
+    def _validate(self) -> None:
         """Rank 0 validates (the trained weights, and their average when train.ema_decay keeps one);
         the outcome (best BLEU, patience count) is shared so all ranks stop together."""
         progress = self.progress
@@ -297,14 +298,14 @@ class Trainer:
                 progress.best_bleu, progress.stale_validations = chosen.scores.bleu, 0
             else:
                 progress.stale_validations += 1
-            bar.write(f"step {progress.step}: valid loss {result.loss:.3f}, ppl {result.perplexity:.2f}, "
-                      f"BLEU {result.scores.bleu:.2f}, chrF {result.scores.chrf:.2f}")  # fmt: skip
+            log.info("step %d: valid loss %.3f, ppl %.2f, BLEU %.2f, chrF %.2f", progress.step, result.loss,
+                     result.perplexity, result.scores.bleu, result.scores.chrf)  # fmt: skip
             if averaged is not None:
-                bar.write(f"  weight average (ema): valid loss {averaged.loss:.3f}, BLEU {averaged.scores.bleu:.2f}, "
-                          f"chrF {averaged.scores.chrf:.2f}")  # fmt: skip
+                log.info("  weight average (ema): valid loss %.3f, BLEU %.2f, chrF %.2f", averaged.loss,
+                         averaged.scores.bleu, averaged.scores.chrf)  # fmt: skip
             samples = zip(self.data.valid_text.src, self.data.valid_text.tgt, chosen.hypotheses)
             for src, ref, hyp in list(samples)[:2]:
-                bar.write(f"  src: {src}\n  ref: {ref}\n  hyp: {hyp}")
+                log.info("  src: %s\n  ref: %s\n  hyp: %s", src, ref, hyp)
             extra = {} if averaged is None else {"ema_loss": averaged.loss, "ema_bleu": averaged.scores.bleu,
                                                  "ema_chrf": averaged.scores.chrf}  # fmt: skip
             self.metrics.write("valid", step=progress.step, loss=result.loss, ppl=result.perplexity,

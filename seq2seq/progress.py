@@ -1,0 +1,38 @@
+"""Progress bars on stderr for long work, hidden when the seq2seq logger is set above INFO.
+
+A bar is INFO-level output: `seq2seq --quiet` (or a program that sets the "seq2seq" logger to
+WARNING) silences it with the log lines, so stderr carries only warnings and errors. A logger left
+at its default level shows them, so a Python user of the Translator API sees bars as before.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator
+from typing import TypeVar
+
+from tqdm import tqdm
+
+T = TypeVar("T")
+
+
+def bars_allowed() -> bool:
+    """False when the seq2seq logger's own level hides INFO lines."""
+    return logging.getLogger("seq2seq").level <= logging.INFO
+
+
+def progress_bar(*, enabled: bool = True, **options) -> tqdm:
+    """A tqdm bar (its options as given), disabled unless `enabled` and bars are allowed."""
+    return tqdm(disable=not (enabled and bars_allowed()), **options)
+
+
+def with_progress(items: Iterable[T], desc: str, *, enabled: bool) -> Iterator[T]:
+    """`items` passed through a progress bar on stderr, shown from the first item on (a stream that
+    is never read shows none)."""
+    if not (enabled and bars_allowed()):
+        yield from items
+        return
+    with tqdm(desc=desc, unit=" pairs", unit_scale=True, leave=False) as bar:
+        for item in items:
+            bar.update()
+            yield item
