@@ -376,4 +376,6 @@ def serve(model: Path | list[Path], *, host: str, port: int, limits: Limits = Li
     translator = Translator.load(model)
     name = " + ".join(map(str, model)) if isinstance(model, list) else str(model)
     app = create_app(translator, model_name=name, limits=limits)
-    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=10)
+    # a request admitted before SIGTERM may take up to request_timeout: shutdown waits as long for it
+    uvicorn.run(app, host=host, port=port, log_level="warning",
+                timeout_graceful_shutdown=max(1, math.ceil(limits.request_timeout)))  # fmt: skip
