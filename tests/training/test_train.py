@@ -112,7 +112,7 @@ def test_fp16_without_cuda_is_a_clear_error(tmp_path, tiny_data):
 
 
 def test_bf16_autocast_trains_on_cpu(tmp_path, tiny_data):
-    trainer = make_trainer(tmp_path, tiny_data, precision="bf16", max_steps=20, log_every=5, valid_every=100)
+    trainer = make_trainer(tmp_path, tiny_data, precision="bf16", max_steps=10, log_every=5, valid_every=100)
     trainer.run()
     losses = [r["loss"] for r in trainer.metrics.read() if r["kind"] == "train"]
     assert all(torch.isfinite(torch.tensor(losses)))
@@ -229,14 +229,14 @@ def count_host_reads(monkeypatch) -> list[str]:
 def test_steps_read_nothing_back_from_the_device_between_log_steps(tmp_path, tiny_data, monkeypatch, precision):
     """Host reads happen when logging, validating or saving, never per step: their count does not grow with steps."""
     reads_per_run = {}
-    for steps in (3, 9):
+    for steps in (2, 5):
         trainer = make_trainer(tmp_path, tiny_data, name=f"run{steps}", max_steps=steps, log_every=steps,
                                valid_every=1000, save_every=1000, precision=precision)  # fmt: skip
         with monkeypatch.context() as patch:
             reads = count_host_reads(patch)
             trainer.run()
         reads_per_run[steps] = reads
-    assert len(reads_per_run[9]) == len(reads_per_run[3]) > 0  # the final log and save do read
+    assert len(reads_per_run[5]) == len(reads_per_run[2]) > 0  # the final log and save do read
 
 
 def test_tensorboard_events_when_the_optional_extra_is_installed(tmp_path, tiny_data):
