@@ -29,10 +29,7 @@ def progress_bar(*, enabled: bool = True, **options) -> tqdm:
 def with_progress(items: Iterable[T], desc: str, *, enabled: bool) -> Iterator[T]:
     """`items` passed through a progress bar on stderr, shown from the first item on (a stream that
     is never read shows none)."""
-    if not (enabled and bars_allowed()):
-        yield from items
-        return
-    with tqdm(desc=desc, unit=" pairs", unit_scale=True, leave=False) as bar:
+    with progress_bar(enabled=enabled, desc=desc, unit=" pairs", unit_scale=True, leave=False) as bar:
         for item in items:
             bar.update()
             yield item
