@@ -41,8 +41,8 @@ def test_fp16_overflow_is_skipped_not_applied(tmp_path, tiny_data, monkeypatch):
 
     trainer = cuda_trainer(tmp_path, tiny_data, "fp16", max_steps=1, valid_every=100)
     before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
-    real_loss = step_module.label_smoothed_cross_entropy
-    monkeypatch.setattr(step_module, "label_smoothed_cross_entropy", lambda *a: real_loss(*a) * float("inf"))
+    real_loss = step_module.output_layer_loss
+    monkeypatch.setattr(step_module, "output_layer_loss", lambda *a: real_loss(*a) * float("inf"))
     trainer.run()
     assert trainer.progress.skipped_steps == 1
     for name, param in trainer.model.named_parameters():

@@ -92,14 +92,21 @@ class Seq2SeqTransformer(nn.Module):
         """tgt (B, T) ids -> logits (B, T, V)."""
         return self.output_proj(self.decode_hidden(tgt, memory, src_mask, cache))
 
-    def forward(self, src: Tensor, tgt_in: Tensor, positions: Tensor | None = None) -> Tensor:
+    def forward(
+        self, src: Tensor, tgt_in: Tensor, positions: Tensor | None = None, *, output_layer: bool = True
+    ) -> Tensor:
         """Teacher forcing: logits (B, T, V) for every target position at once, or, given `positions`
-        (N,) flat indices into B*T, logits (N, V) for those alone (training skips padded positions)."""
+        (N,) flat indices into B*T, logits (N, V) for those alone (training skips padded positions).
+
+        With output_layer=False, the rows the output layer would read instead, (B, T, d) or (N, d):
+        training's loss applies that layer itself, a chunk at a time (training/loss.py). A flag on
+        forward rather than a method of its own, because DDP synchronises gradients only of what
+        runs through forward."""
         src_mask = padding_mask(src)
         hidden = self.decode_hidden(tgt_in, self.encode(src, src_mask), src_mask)
         if positions is not None:
             hidden = hidden.flatten(0, 1).index_select(0, positions)
-        return self.output_proj(hidden)
+        return self.output_proj(hidden) if output_layer else hidden
 
     def new_cache(self) -> DecoderCache:
         return DecoderCache(len(self.decoder_layers))

@@ -1,14 +1,17 @@
-"""Label-smoothed cross entropy, fused and computed in row chunks.
+"""The output layer and the label-smoothed cross entropy, fused: the logits never exist whole.
 
-The output layer's logits are the largest tensor of a step (target tokens x vocabulary). PyTorch's
-cross_entropy with label smoothing makes several full passes over them (log_softmax, the NLL and
-smoothing terms and their backward, an fp32 copy under autocast). Here each chunk of rows is cast,
-reduced and differentiated while it is in cache, and the backward is the closed form
-softmax(z) - (1 - eps) * onehot(y) - eps / V: 2.1x (fp32) to 4.5x (bf16) faster on CPU
-(scripts/benchmark_loss.py). The chunk work goes through PyTorch's (log_)softmax kernels, whose
-vectorised exp is 2-3x faster here than torch.exp or logsumexp, and into two reused fp32 buffers: a
-fresh 8 MiB tensor per chunk costs more in allocation and page faults than the arithmetic.
-Trailing logit rows beyond the targets are padding.
+The output layer's logits are the largest tensors of a step: target tokens x vocabulary, and their
+gradient as large again (3,500 target tokens of an 8k vocabulary: 2 x 107 MiB in fp32, fresh memory
+every step that the kernel must fault in and zero). Here the decoder's output rows are projected a
+chunk at a time; each chunk of logits is reduced to its loss while it is in cache, and, when a
+gradient is wanted, turned at once into its closed-form gradient softmax(z) - (1 - eps) * onehot(y)
+- eps / V and multiplied into the gradients of the rows and of the weight. The loss is the last
+operation of the graph, so nothing it needs comes later: backward only scales the two gradients by
+the incoming one. The chunk work goes through PyTorch's (log_)softmax kernels, whose vectorised exp
+is faster on CPU than torch.exp or logsumexp, into reused buffers.
+
+The matrix products run in the precision of the enclosing autocast (bf16, fp16), as the output
+layer's Linear did, and everything after them in fp32.
 """
 
 from __future__ import annotations
@@ -20,75 +23,92 @@ CHUNK_ROWS = 256  # on CPU: 256 x 8k-vocabulary fp32 rows = 8 MiB, which fits in
 GPU_CHUNK_ELEMENTS = 1 << 26  # on GPU: 256 MiB of fp32 per buffer; a 16k-token batch is one or a few chunks
 
 
-def _chunk_rows(logits: Tensor) -> int:
-    """Rows per chunk. A CPU wants chunks that stay in its cache; a GPU wants few, large ones, since
-    every chunk launches about a dozen kernels: 256-row chunks added ~770 launches to a step of
-    Transformer-base on 16k tokens, host time the GPU waited for (66.0 vs 61.6 ms/step on an H100)."""
-    if logits.device.type == "cpu":
-        return CHUNK_ROWS
-    return max(1, GPU_CHUNK_ELEMENTS // logits.size(1))
+def output_layer_loss(hidden: Tensor, weight: Tensor, target: Tensor, smoothing: float) -> Tensor:
+    """Summed label-smoothed cross entropy of the logits hidden @ weight.T, never materialised whole.
 
-
-class _LabelSmoothedCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits: Tensor, target: Tensor, smoothing: float) -> Tensor:
-        vocab, rows_in_use = logits.size(1), target.size(0)
-        compute_dtype = torch.promote_types(logits.dtype, torch.float32)
-        total = torch.zeros((), dtype=torch.float64, device=logits.device)
-        chunk_in, chunk_out = _chunk_buffers(logits, compute_dtype)
-        step = chunk_in.size(0)
-        for start in range(0, rows_in_use, step):
-            rows = slice(start, min(start + step, rows_in_use))
-            count = rows.stop - start
-            log_probs = torch.log_softmax(_as_compute(logits[rows], chunk_in), dim=-1, out=chunk_out[:count])
-            log_prob_target = log_probs.gather(1, target[rows, None]).squeeze(1)
-            total -= ((1.0 - smoothing) * log_prob_target + (smoothing / vocab) * log_probs.sum(-1)).sum()
-        ctx.save_for_backward(logits, target)
-        ctx.smoothing = smoothing
-        return total.to(compute_dtype)
-
-    @staticmethod
-    def backward(ctx, grad_output: Tensor) -> tuple[Tensor, None, None]:
-        logits, target = ctx.saved_tensors
-        smoothing, vocab = ctx.smoothing, logits.size(1)
-        rows_in_use = target.size(0)
-        compute_dtype = torch.promote_types(logits.dtype, torch.float32)
-        grad = torch.empty_like(logits)
-        grad[rows_in_use:] = 0.0  # padding rows
-        chunk_in, chunk_out = _chunk_buffers(logits, compute_dtype)
-        step = chunk_in.size(0)
-        for start in range(0, rows_in_use, step):
-            rows = slice(start, min(start + step, rows_in_use))
-            count = rows.stop - start
-            # fp32 logits: the softmax goes straight into the gradient's rows, no staging copies
-            in_place = grad.dtype == compute_dtype
-            z = grad[rows] if in_place else chunk_out[:count]
-            torch.softmax(_as_compute(logits[rows], chunk_in), dim=-1, out=z)
-            z.sub_(smoothing / vocab)
-            z.scatter_add_(1, target[rows, None], z.new_full((z.size(0), 1), smoothing - 1.0))
-            z.mul_(grad_output)
-            if not in_place:
-                grad[rows] = z
-        return grad, None, None
-
-
-def _as_compute(chunk: Tensor, buffer: Tensor) -> Tensor:
-    """The chunk in the buffer's dtype: copied into the buffer when it differs, else the chunk itself."""
-    if chunk.dtype == buffer.dtype:
-        return chunk
-    return buffer[: chunk.size(0)].copy_(chunk)
-
-
-def _chunk_buffers(logits: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """Two reused chunk-sized buffers: for the logits cast to `dtype`, and for their (log-)softmax."""
-    shape = (max(1, min(_chunk_rows(logits), logits.size(0))), logits.size(1))
-    return tuple(torch.empty(shape, dtype=dtype, device=logits.device) for _ in range(2))
-
-
-def label_smoothed_cross_entropy(logits: Tensor, target: Tensor, smoothing: float) -> Tensor:
-    """Summed loss over rows: logits (R, V), target (N,) without padding, N <= R; uniform smoothing over V classes.
-
-    Rows past N are padding (batching.POSITION_MULTIPLE): no loss, zero gradient. Equals
-    F.cross_entropy(logits[:N], target, label_smoothing=smoothing, reduction="sum").
+    hidden (R, d): the decoder's output rows; weight (V, d): the output layer's (bias-free) weight;
+    target (N,), N <= R: the ids of the first N rows. Rows past N are padding
+    (batching.POSITION_MULTIPLE): no loss, zero gradient. Equals
+    F.cross_entropy(F.linear(hidden[:N], weight), target, label_smoothing=smoothing, reduction="sum"),
+    as a () tensor of at least fp32.
     """
-    return _LabelSmoothedCrossEntropy.apply(logits, target, smoothing)
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        return _OutputLayerLoss.apply(hidden, weight, target, smoothing)
+    loss, _, _ = _loss_and_gradients(hidden, weight, target, smoothing, hidden_grad=False, weight_grad=False)
+    return loss
+
+
+class _OutputLayerLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, target: Tensor, smoothing: float) -> Tensor:
+        hidden_grad, weight_grad, _, _ = ctx.needs_input_grad
+        loss, ctx.hidden_grad, ctx.weight_grad = _loss_and_gradients(
+            hidden, weight, target, smoothing, hidden_grad=hidden_grad, weight_grad=weight_grad
+        )
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:
+        scaled = [None if grad is None else grad * grad_output for grad in (ctx.hidden_grad, ctx.weight_grad)]
+        return scaled[0], scaled[1], None, None
+
+
+def _loss_and_gradients(
+    hidden: Tensor, weight: Tensor, target: Tensor, smoothing: float, *, hidden_grad: bool, weight_grad: bool
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """The summed loss, and the gradients of the unscaled loss with respect to hidden and weight where wanted."""
+    device, vocab, rows_in_use = hidden.device, weight.size(0), target.size(0)
+    matmul_dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else hidden.dtype
+    compute_dtype = torch.promote_types(matmul_dtype, torch.float32)
+    with torch.autocast(device.type, enabled=False), torch.no_grad():
+        rows, layer = hidden.to(matmul_dtype), weight.to(matmul_dtype)
+        grad_rows = torch.zeros_like(hidden) if hidden_grad else None  # padding rows stay zero
+        accumulate_dtype = torch.promote_types(weight.dtype, compute_dtype)  # bf16 chunks add up in fp32
+        grad_weight = torch.zeros_like(weight, dtype=accumulate_dtype) if weight_grad else None
+        step = _chunk_rows(device, vocab, hidden.size(0))
+        logits = torch.empty((step, vocab), dtype=matmul_dtype, device=device)
+        exact = logits if matmul_dtype == compute_dtype else torch.empty_like(logits, dtype=compute_dtype)
+        scratch = torch.empty_like(exact)  # log-probabilities, then the gradient
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for start in range(0, rows_in_use, step):
+            # A chunk runs to the padded end of the rows, so that, with batching.POSITION_MULTIPLE
+            # dividing CHUNK_ROWS, every row count is a multiple of it: bf16 matmuls on CPU build one
+            # oneDNN kernel per row count.
+            stop, real = min(start + step, hidden.size(0)), min(step, rows_in_use - start)
+            z = torch.mm(rows[start:stop], layer.t(), out=logits[: stop - start])  # (rows, V)
+            z = _to_dtype(z, exact[: stop - start])[:real]
+            chunk_target = target[start : start + real, None]
+            log_probs = torch.log_softmax(z, dim=-1, out=scratch[:real])
+            total -= (1.0 - smoothing) * log_probs.gather(1, chunk_target).sum() + (smoothing / vocab) * log_probs.sum()
+            if grad_rows is None and grad_weight is None:
+                continue
+            grad = torch.softmax(z, dim=-1, out=scratch[:real])  # d loss / d logits, built in place
+            grad.sub_(smoothing / vocab)
+            grad.scatter_add_(1, chunk_target, grad.new_full((real, 1), smoothing - 1.0))
+            grad = _to_dtype(grad, logits[:real])  # z is no longer needed: its buffer takes the cast
+            if grad_rows is not None:
+                _add_product(grad_rows[start : start + real], grad, layer)
+            if grad_weight is not None:
+                _add_product(grad_weight, grad.t(), rows[start : start + real])
+    grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
+    return total.to(compute_dtype), grad_rows, grad_weight
+
+
+def _add_product(out: Tensor, a: Tensor, b: Tensor) -> None:
+    """out += a @ b, in place when the dtypes agree (no temporary), else through one cast."""
+    if out.dtype == a.dtype:
+        out.addmm_(a, b)
+    else:
+        out.add_(torch.mm(a, b))
+
+
+def _to_dtype(chunk: Tensor, buffer: Tensor) -> Tensor:
+    """The chunk in the buffer's dtype: copied into the buffer when it differs, else the chunk itself."""
+    return chunk if chunk.dtype == buffer.dtype else buffer.copy_(chunk)
+
+
+def _chunk_rows(device: torch.device, vocab: int, rows: int) -> int:
+    """Rows per chunk. A CPU wants chunks that stay in its cache; a GPU wants few, large ones, since
+    every chunk launches about a dozen kernels, host time the GPU waits for (README, GPU)."""
+    wanted = CHUNK_ROWS if device.type == "cpu" else GPU_CHUNK_ELEMENTS // vocab
+    return max(1, min(wanted, rows))

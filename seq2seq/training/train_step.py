@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from seq2seq.config import TrainConfig
 from seq2seq.data.batching import Batch
-from seq2seq.training.loss import label_smoothed_cross_entropy
+from seq2seq.training.loss import output_layer_loss
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -98,8 +98,8 @@ def train_step(
         sync = contextlib.nullcontext() if ddp is None or last else ddp.no_sync()
         with sync:
             with autocast(device, config.precision):
-                logits = forward(batch.src, batch.tgt_in, batch.target_positions)
-            loss = label_smoothed_cross_entropy(logits, batch.targets, config.label_smoothing)
+                rows = forward(batch.src, batch.tgt_in, batch.target_positions, output_layer=False)
+                loss = output_layer_loss(rows, model.output_proj.weight, batch.targets, config.label_smoothing)
             scaler.scale(loss * (world_size / update_tokens)).backward()  # DDP averages over ranks
         loss_sum += loss.detach()
     for group in optimizer.param_groups:

@@ -16,7 +16,7 @@ from seq2seq.data.tokenizer import Tokenizer
 from seq2seq.evaluation.evaluate import translate_and_score
 from seq2seq.evaluation.scoring import Scores
 from seq2seq.inference.translator import Translator
-from seq2seq.training.loss import label_smoothed_cross_entropy
+from seq2seq.training.loss import output_layer_loss
 
 
 @dataclass(frozen=True)
@@ -48,8 +48,8 @@ def validate(
     with autocast:  # the validation batches are the same every time: their shapes repeat
         for indices in epoch_batches(data.valid, max_tokens=train.max_tokens, seed=0, epoch=0):
             batch = make_batch(data.valid, indices).to(device)
-            logits = model(batch.src, batch.tgt_in, batch.target_positions)
-            nll += label_smoothed_cross_entropy(logits, batch.targets, 0.0).item()
+            rows = model(batch.src, batch.tgt_in, batch.target_positions, output_layer=False)
+            nll += output_layer_loss(rows, model.output_proj.weight, batch.targets, 0.0).item()
             tokens += batch.num_tokens
     # Translated in fp32, as `seq2seq translate` does, so the BLEU printed is the one users will get
     # (and search's ever-changing row counts stay out of oneDNN's per-shape bf16 kernel cache).

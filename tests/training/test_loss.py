@@ -1,83 +1,116 @@
-"""The fused label-smoothed cross entropy equals PyTorch's, in value and gradient."""
+"""The fused output layer and loss equal PyTorch's Linear + cross_entropy, in value and gradients."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
 
 from seq2seq.training import loss as loss_module
-from seq2seq.training.loss import label_smoothed_cross_entropy
+from seq2seq.training.loss import output_layer_loss
+
+
+def _inputs(rows: int, width: int, vocab: int, dtype=torch.float64):
+    hidden = torch.randn(rows, width, dtype=dtype).requires_grad_()
+    weight = (torch.randn(vocab, width, dtype=dtype) / width**0.5 * 3).requires_grad_()
+    return hidden, weight
+
+
+def _reference(hidden, weight, target, smoothing, scale=1.0):
+    """PyTorch's own: the loss on the real rows, and the gradients of scale x loss."""
+    loss = F.cross_entropy(F.linear(hidden[: target.size(0)], weight), target, label_smoothing=smoothing,
+                           reduction="sum")  # fmt: skip
+    return (loss, *torch.autograd.grad(loss * scale, (hidden, weight)))
 
 
 @pytest.mark.parametrize("smoothing", [0.0, 0.1, 0.3])
-def test_matches_torch_cross_entropy_across_chunks(smoothing, monkeypatch):
-    monkeypatch.setattr(loss_module, "CHUNK_ROWS", 7)  # several chunks and a ragged last one
-    logits = (torch.randn(30, 11, dtype=torch.float64) * 3).requires_grad_()
+def test_matches_linear_and_cross_entropy_across_chunks_and_padding_rows(smoothing, monkeypatch):
+    monkeypatch.setattr(loss_module, "CHUNK_ROWS", 7)  # several chunks, a ragged last one, padding rows
+    hidden, weight = _inputs(32, 5, 11)
     target = torch.randint(0, 11, (30,))
-    ours = label_smoothed_cross_entropy(logits, target, smoothing)
-    (grad_ours,) = torch.autograd.grad(ours * 2.5, logits)
-    reference = F.cross_entropy(logits, target, label_smoothing=smoothing, reduction="sum")
-    (grad_reference,) = torch.autograd.grad(reference * 2.5, logits)
-    torch.testing.assert_close(ours, reference)
-    torch.testing.assert_close(grad_ours, grad_reference)
+    ours = output_layer_loss(hidden, weight, target, smoothing)
+    grad_hidden, grad_weight = torch.autograd.grad(ours * 2.5, (hidden, weight))
+    expected, expected_hidden, expected_weight = _reference(hidden, weight, target, smoothing, scale=2.5)
+    torch.testing.assert_close(ours, expected)
+    torch.testing.assert_close(grad_hidden, expected_hidden)  # padding rows: zero in both
+    torch.testing.assert_close(grad_weight, expected_weight)
+    assert torch.count_nonzero(grad_hidden[30:]) == 0
 
 
-def test_gradcheck_and_bf16_logits():
-    logits = torch.randn(5, 6, dtype=torch.float64, requires_grad=True)
-    target = torch.randint(0, 6, (5,))
-    assert torch.autograd.gradcheck(lambda x: label_smoothed_cross_entropy(x, target, 0.2), (logits,))
-    half = logits.detach().to(torch.bfloat16).requires_grad_()
-    value = label_smoothed_cross_entropy(half, target, 0.1)
-    assert value.dtype == torch.float32  # computed in fp32 from bf16 logits
-    value.backward()
-    assert half.grad.dtype == torch.bfloat16
-    expected = F.cross_entropy(half.detach().float(), target, label_smoothing=0.1, reduction="sum")
-    torch.testing.assert_close(value, expected, rtol=1e-5, atol=1e-4)
+def test_gradcheck_and_one_input_without_gradient(monkeypatch):
+    monkeypatch.setattr(loss_module, "CHUNK_ROWS", 2)
+    hidden, weight = _inputs(5, 3, 6)
+    target = torch.randint(0, 6, (4,))
+    assert torch.autograd.gradcheck(lambda h, w: output_layer_loss(h, w, target, 0.2), (hidden, weight))
+    frozen = weight.detach()  # a frozen output layer: the rows' gradient alone, still exact
+    (grad_hidden,) = torch.autograd.grad(output_layer_loss(hidden, frozen, target, 0.2), hidden)
+    _, expected_hidden, _ = _reference(hidden, weight, target, 0.2)
+    torch.testing.assert_close(grad_hidden, expected_hidden)
 
 
-def test_bf16_logits_across_chunks_match_the_fp32_computation(monkeypatch):
-    """bf16 chunks are cast through one reused fp32 buffer; a ragged last chunk must not see stale rows."""
+def test_without_gradients_the_loss_is_the_same(monkeypatch):
+    """Validation calls it under no_grad: the forward alone, the same value."""
     monkeypatch.setattr(loss_module, "CHUNK_ROWS", 7)
-    logits = (torch.randn(30, 11) * 3).to(torch.bfloat16).requires_grad_()
+    hidden, weight = _inputs(32, 5, 11)
     target = torch.randint(0, 11, (30,))
-    ours = label_smoothed_cross_entropy(logits, target, 0.1)
-    (grad_ours,) = torch.autograd.grad(ours, logits)
-    exact = logits.detach().float().requires_grad_()
-    reference = F.cross_entropy(exact, target, label_smoothing=0.1, reduction="sum")
-    (grad_reference,) = torch.autograd.grad(reference, exact)
-    torch.testing.assert_close(ours, reference)
-    torch.testing.assert_close(grad_ours, grad_reference.to(torch.bfloat16))
+    with torch.no_grad():
+        value = output_layer_loss(hidden, weight, target, 0.0)
+    assert not value.requires_grad
+    torch.testing.assert_close(value, _reference(hidden, weight, target, 0.0)[0])
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
-def test_logit_rows_past_the_targets_are_padding(monkeypatch, dtype):
-    """Batches round the output layer's rows up (batching.POSITION_MULTIPLE): the extra rows add nothing."""
+def test_under_bf16_autocast_it_computes_what_the_autocast_linear_did(monkeypatch):
+    """The matmuls in bf16 as the output layer's Linear ran them under autocast, the loss in fp32;
+    bf16 chunks go through reused buffers, so a ragged last chunk must not see stale rows."""
     monkeypatch.setattr(loss_module, "CHUNK_ROWS", 7)
-    logits = (torch.randn(32, 11) * 3).to(dtype).requires_grad_()
-    target = torch.randint(0, 11, (23,))
-    ours = label_smoothed_cross_entropy(logits, target, 0.1)
-    (grad,) = torch.autograd.grad(ours, logits)
-    real = logits.detach()[:23].to(torch.float64).requires_grad_()
-    reference = F.cross_entropy(real, target, label_smoothing=0.1, reduction="sum")
-    (grad_reference,) = torch.autograd.grad(reference, real)
-    torch.testing.assert_close(ours.double(), reference, rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(grad[:23], grad_reference.to(dtype), rtol=1e-2, atol=1e-3)
-    assert torch.count_nonzero(grad[23:]) == 0
+    hidden, weight = _inputs(32, 8, 11, dtype=torch.float32)
+    target = torch.randint(0, 11, (30,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = output_layer_loss(hidden, weight, target, 0.1)
+        grads = torch.autograd.grad(ours, (hidden, weight))
+        logits = F.linear(hidden[:30], weight)
+    assert logits.dtype == torch.bfloat16 and ours.dtype == torch.float32
+    expected = F.cross_entropy(logits.float(), target, label_smoothing=0.1, reduction="sum")
+    expected_grads = torch.autograd.grad(expected, (hidden, weight))
+    torch.testing.assert_close(ours, expected)
+    for grad, expected_grad in zip(grads, expected_grads):
+        assert grad.dtype == torch.float32
+        torch.testing.assert_close(grad, expected_grad, rtol=2e-2, atol=2e-3)
+
+
+def test_the_logits_never_exist_whole():
+    """The point of fusing: no allocation of forward + backward is as large as the (R, V) logits."""
+    hidden, weight = _inputs(1024, 16, 2000, dtype=torch.float32)
+    target = torch.randint(0, 2000, (1000,))
+    logits_bytes = 1024 * 2000 * 4
+
+    def largest_allocation(loss_of) -> int:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as trace:
+            loss_of().backward()
+        return max(event.cpu_memory_usage for event in trace.events())
+
+    fused = largest_allocation(lambda: output_layer_loss(hidden, weight, target, 0.1))
+    unfused = largest_allocation(lambda: F.cross_entropy(F.linear(hidden, weight)[:1000], target, reduction="sum"))
+    assert unfused >= logits_bytes  # the check sees a whole-logits allocation where there is one
+    assert fused < logits_bytes / 2, f"{fused:,} bytes in one allocation"
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_gpu_chunks_of_bf16_logits_match_the_fp32_computation(monkeypatch):
+def test_gpu_chunks_under_bf16_autocast_match_the_linear_and_cross_entropy(monkeypatch):
     """On a GPU the chunks are sized by GPU_CHUNK_ELEMENTS, not CHUNK_ROWS: ragged ones must be exact too."""
     monkeypatch.setattr(loss_module, "GPU_CHUNK_ELEMENTS", 7 * 11)  # 7 rows of 11 classes per chunk
-    logits = (torch.randn(32, 11, device="cuda") * 3).to(torch.bfloat16).requires_grad_()
+    hidden = torch.randn(32, 8, device="cuda", requires_grad=True)
+    weight = torch.randn(11, 8, device="cuda", requires_grad=True)
     target = torch.randint(0, 11, (30,), device="cuda")
-    ours = label_smoothed_cross_entropy(logits, target, 0.1)
-    (grad,) = torch.autograd.grad(ours, logits)
-    exact = logits.detach()[:30].float().requires_grad_()
-    reference = F.cross_entropy(exact, target, label_smoothing=0.1, reduction="sum")
-    (grad_reference,) = torch.autograd.grad(reference, exact)
-    torch.testing.assert_close(ours, reference)
-    torch.testing.assert_close(grad[:30], grad_reference.to(torch.bfloat16))
-    assert torch.count_nonzero(grad[30:]) == 0
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        ours = output_layer_loss(hidden, weight, target, 0.1)
+        grads = torch.autograd.grad(ours, (hidden, weight))
+        logits = F.linear(hidden[:30], weight)
+    expected = F.cross_entropy(logits.float(), target, label_smoothing=0.1, reduction="sum")
+    expected_grads = torch.autograd.grad(expected, (hidden, weight))
+    torch.testing.assert_close(ours, expected)
+    for grad, expected_grad in zip(grads, expected_grads):
+        torch.testing.assert_close(grad, expected_grad, rtol=2e-2, atol=2e-3)
+    assert torch.count_nonzero(grads[0][30:]) == 0

@@ -185,8 +185,8 @@ def test_non_finite_steps_are_skipped_and_too_many_stop_with_a_message(tmp_path,
 
     trainer = make_trainer(tmp_path, tiny_data, max_steps=100, log_every=5, valid_every=1000)
     before = {name: p.clone() for name, p in trainer.model.named_parameters()}
-    real_loss = step_module.label_smoothed_cross_entropy
-    monkeypatch.setattr(step_module, "label_smoothed_cross_entropy", lambda *a: real_loss(*a) * float("nan"))
+    real_loss = step_module.output_layer_loss
+    monkeypatch.setattr(step_module, "output_layer_loss", lambda *a: real_loss(*a) * float("nan"))
     with pytest.raises(train_module.TrainingDiverged, match="20 updates in a row had non-finite gradients"):
         trainer.run()
     assert trainer.progress.skipped_steps == train_module.MAX_SKIPPED_IN_A_ROW
