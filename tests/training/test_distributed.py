@@ -43,9 +43,13 @@ def config(tmp_path, tiny_data) -> Path:
     return path
 
 
-def test_two_ranks_equal_one_process_with_the_same_global_batch(tmp_path, config):
-    train(config, tmp_path / "ddp", "--nproc", "2")
-    train(config, tmp_path / "single", "--set", "train.accum_steps=2")
+@pytest.mark.parametrize("untied", [False, True], ids=["tied", "untied-output-layer"])
+def test_two_ranks_equal_one_process_with_the_same_global_batch(tmp_path, config, untied):
+    """Untied, the output layer's weight is used outside DDP's forward, by the fused loss: its
+    gradient must still be averaged over the ranks."""
+    untie = ["--set", "model.share_embeddings=false", "--set", "model.tie_output=false"] if untied else []
+    train(config, tmp_path / "ddp", "--nproc", "2", *untie)
+    train(config, tmp_path / "single", "--set", "train.accum_steps=2", *untie)
     ddp, single = final_parameters(tmp_path / "ddp"), final_parameters(tmp_path / "single")
     for name, tensor in single.items():
         torch.testing.assert_close(ddp[name], tensor, atol=1e-6, rtol=0, msg=name)
