@@ -71,12 +71,14 @@ def _loss_and_gradients(
         scratch = torch.empty_like(exact)  # log-probabilities, then the gradient
         total = torch.zeros((), dtype=torch.float64, device=device)
         for start in range(0, rows_in_use, step):
-            # A chunk runs to the padded end of the rows, so that, with batching.POSITION_MULTIPLE
-            # dividing CHUNK_ROWS, every row count is a multiple of it: bf16 matmuls on CPU build one
-            # oneDNN kernel per row count.
+            # Every matmul of a chunk, the gradient's too, runs to the padded end of its rows: with
+            # batching.POSITION_MULTIPLE dividing CHUNK_ROWS, every row count is then a multiple of
+            # it, and bf16 matmuls on CPU build one oneDNN kernel per row count. Padding rows get a
+            # zero gradient.
             stop, real = min(start + step, hidden.size(0)), min(step, rows_in_use - start)
-            z = torch.mm(rows[start:stop], layer.t(), out=logits[: stop - start])  # (rows, V)
-            z = _to_dtype(z, exact[: stop - start])[:real]
+            count = stop - start
+            z = torch.mm(rows[start:stop], layer.t(), out=logits[:count])  # (count, V)
+            z = _to_dtype(z, exact[:count])[:real]
             chunk_target = target[start : start + real, None]
             log_probs = torch.log_softmax(z, dim=-1, out=scratch[:real])
             total -= (1.0 - smoothing) * log_probs.gather(1, chunk_target).sum() + (smoothing / vocab) * log_probs.sum()
@@ -85,11 +87,12 @@ def _loss_and_gradients(
             grad = torch.softmax(z, dim=-1, out=scratch[:real])  # d loss / d logits, built in place
             grad.sub_(smoothing / vocab)
             grad.scatter_add_(1, chunk_target, grad.new_full((real, 1), smoothing - 1.0))
-            grad = _to_dtype(grad, logits[:real])  # z is no longer needed: its buffer takes the cast
+            scratch[real:count] = 0.0
+            grad = _to_dtype(scratch[:count], logits[:count])  # z is no longer needed: its buffer takes the cast
             if grad_rows is not None:
-                _add_product(grad_rows[start : start + real], grad, layer)
+                _add_product(grad_rows[start:stop], grad, layer)
             if grad_weight is not None:
-                _add_product(grad_weight, grad.t(), rows[start : start + real])
+                _add_product(grad_weight, grad.t(), rows[start:stop])
     grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
     return total.to(compute_dtype), grad_rows, grad_weight
 

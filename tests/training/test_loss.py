@@ -87,6 +87,25 @@ def test_under_bf16_autocast_it_computes_what_the_autocast_linear_did(device, mo
     assert torch.count_nonzero(grads[0][30:]) == 0
 
 
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
+def test_every_matmul_sees_a_padded_row_count(autocast, monkeypatch):
+    """bf16 matmuls on CPU build one oneDNN kernel per row count (test_long_run_memory): the loss's
+    products, its gradient's included, run on the padded rows (a multiple of the chunk here), never on
+    the ragged count of real targets."""
+    monkeypatch.setattr(loss_module, "CHUNK_ROWS", 64)
+    hidden, weight = _inputs(128, 16, 50, dtype=torch.float32)
+    target = torch.randint(0, 50, (100,))
+    bf16 = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as trace, bf16:
+        output_layer_loss(hidden, weight, target, 0.1).backward()
+    row_counts = set()
+    for event in trace.events():
+        if event.name in ("aten::mm", "aten::addmm_"):
+            first, second = event.input_shapes[-2:] if event.name == "aten::mm" else event.input_shapes[1:3]
+            row_counts |= {size for size in (*first, *second) if size not in (16, 50)}
+    assert row_counts == {64}, row_counts
+
+
 def test_the_logits_never_exist_whole():
     """The point of fusing: no allocation of forward + backward is as large as the (R, V) logits."""
     hidden, weight = _inputs(1024, 16, 2000, dtype=torch.float32)
