@@ -9,8 +9,10 @@ the batch so that later steps cost less.
 
 Two kinds of guidance apply per sentence. A target prefix is forced token by token (only the
 prefix's token is allowed, at log-probability 0: as CTranslate2 does, a score counts the tokens
-the search chose, normalised by the whole output's length). Terminology constraints run through
-constraints.py's dynamic beam allocation, for the sentences that have some.
+the search chose, normalised by the whole output's length; beam search ends a hypothesis right
+after its prefix only where EOS is the best token).
+Terminology constraints run through constraints.py's dynamic beam allocation, for the sentences
+that have some.
 """
 
 from __future__ import annotations
@@ -135,6 +137,13 @@ def _forced(table: Tensor | None, step: int, beam: int = 1) -> Tensor | None:
     return column.repeat_interleave(beam) if beam > 1 else column
 
 
+def _prefix_ends(table: Tensor | None, step: int, beam: int) -> Tensor | None:
+    """(N,) each row's prefix length (0 where none), or None once every prefix is done and followed."""
+    if table is None or step > table.size(1):
+        return None
+    return (table >= 0).sum(1).repeat_interleave(beam)
+
+
 def length_normalized(log_prob: float, length: int, config: DecodeConfig) -> float:
     """`length` counts the output tokens with their EOS (without, for an output cut at the length
     limit: no EOS was emitted). The formula lives in DecodeConfig, which the CTranslate2 engine
@@ -163,20 +172,28 @@ def _next_log_probs(
     *,
     shortest_limit: int,
     forced: Tensor | None = None,
+    prefix_ends: Tensor | None = None,
 ) -> Tensor:
     """(N, V) logits -> log-probs with PAD/BOS banned, EOS banned before min_len and forced at max
-    length, (with no_repeat_ngram) tokens banned that would repeat an n-gram of the prefix, and
+    length, (with no_repeat_ngram) tokens banned that would repeat an n-gram of the output, and
     (with `forced`, (N,) ids or -1) a target prefix's token the only one allowed, at log-probability 0.
+
+    With `prefix_ends` (N,), each row's prefix length (beam search), EOS right after a prefix is
+    kept only where it is the row's best token: CTranslate2's rule against outputs that stop where
+    the prefix does (its issue #277), so that both engines run one search.
 
     `shortest_limit` is the smallest length limit of the batch, known on the host: before it no row
     can be at its limit, so the step asks the device nothing (a GPU is never waited for here)."""
     log_probs = logits.float().log_softmax(-1)
     log_probs[:, PAD_ID] = -math.inf
     log_probs[:, BOS_ID] = -math.inf
-    if step < config.min_len:
-        log_probs[:, EOS_ID] = -math.inf
     if config.no_repeat_ngram:
         _ban_repeated_ngrams(log_probs, prefixes[:, 1:], config.no_repeat_ngram)
+    if step < config.min_len:
+        log_probs[:, EOS_ID] = -math.inf
+    if prefix_ends is not None:
+        right_after = (prefix_ends == step) & (prefix_ends > 0)
+        log_probs[:, EOS_ID].masked_fill_(right_after & (log_probs[:, EOS_ID] < log_probs.max(-1).values), -math.inf)
     if step >= shortest_limit:
         at_limit = max_lengths <= step  # (N,)
         log_probs.masked_fill_(at_limit.unsqueeze(1), -math.inf)
@@ -285,7 +302,8 @@ def beam_search(
         logits = model.decode(prefixes[:, -1:], memory, src_mask, cache)[:, -1]
         row_max = max_lengths.repeat_interleave(beam)
         log_probs = _next_log_probs(logits, step, row_max, config, prefixes, shortest_limit=shortest_limit,
-                                    forced=_forced(prefix_table, step, beam))  # fmt: skip
+                                    forced=_forced(prefix_table, step, beam),
+                                    prefix_ends=_prefix_ends(prefix_table, step, beam))  # fmt: skip
         log_probs = log_probs.view(len(active), beam, -1)
         cand_scores, cand_tokens, cand_beams = beam_step(log_probs, scores, 2 * beam)
         # An EOS among the top `beam` candidates ends a hypothesis (fairseq's rule; keeps beam 1 == greedy).

@@ -66,15 +66,36 @@ def test_float32_export_passes_the_gate_and_translates_like_the_checkpoint(check
     ids=["defaults", "patience-1", "patience-3-nbest-3", "average", "none", "power-0.6", "greedy"],
 )  # fmt: skip
 def test_both_engines_run_one_beam_search(exported_model, settings):
-    """The same search in both engines: every n-best list equal, hypothesis for hypothesis, and its
+    """The same search in both engines: every n-best list equal, hypothesis for hypothesis (up to ties), and its
     scores within float tolerance, on the half-trained model (an unsure model, whose searches branch
     and stop in many ways). The settings cover the stopping rule (patience) and every ranking."""
     ours, exported, lines = exported_model
     decode = ours.settings(**{"beam": 5, **settings})
     mine, theirs = ours.translate_with(lines, decode), exported.translate_with(lines, decode)
-    assert [t.nbest and [text for text, _ in t.nbest] for t in theirs] == [[text for text, _ in t.nbest] for t in mine]
     for a, b in zip(mine, theirs):
-        np.testing.assert_allclose([s for _, s in b.nbest], [s for _, s in a.nbest], rtol=1e-3)
+        assert_same_ranking(a.nbest, b.nbest)
+
+
+SCORE_RTOL = 1e-3  # the engines' float differences: CTranslate2's search scores differ from ours by ~2e-4
+
+
+def assert_same_ranking(mine: list[tuple[str, float]], theirs: list[tuple[str, float]]) -> None:
+    """One n-best list, rank for rank, with scores equal within SCORE_RTOL; two hypotheses whose
+    scores tie within it may trade ranks, or trade the last place (the other one falls off the list)."""
+    assert len(mine) == len(theirs)
+    np.testing.assert_allclose([s for _, s in theirs], [s for _, s in mine], rtol=SCORE_RTOL)
+    for rank, ((text, score), (other, other_score)) in enumerate(zip(mine, theirs)):
+        if text == other:
+            continue
+        for hypothesis, score_here, in_list, seen_in in (
+            (text, score, mine, theirs),
+            (other, other_score, theirs, mine),
+        ):
+            ties = [s for t, s in seen_in if t == hypothesis]
+            if ties:
+                assert ties[0] == pytest.approx(score_here, rel=SCORE_RTOL), (rank, mine, theirs)
+            else:  # the list was cut between two tied hypotheses
+                assert rank == len(in_list) - 1, (rank, mine, theirs)
 
 
 def test_int8_export_reports_its_bleu_change(checkpoint, tmp_path):
@@ -179,10 +200,9 @@ def test_both_engines_continue_a_prefix_alike(exported_model, trained_checkpoint
     decode = ours.settings(**{"beam": 5, **settings})
     mine = ours.translate_with(lines, decode, prefixes=prefixes)
     theirs = exported.translate_with(lines, decode, prefixes=prefixes)
-    assert [[text for text, _ in t.nbest] for t in theirs] == [[text for text, _ in t.nbest] for t in mine]
     for a, b, prefix in zip(mine, theirs, prefixes):
         assert all(text.startswith(prefix) for text, _ in a.nbest)
-        np.testing.assert_allclose([s for _, s in b.nbest], [s for _, s in a.nbest], rtol=1e-3)
+        assert_same_ranking(a.nbest, b.nbest)
 
 
 def test_constraints_and_ensembles_on_an_exported_model_are_one_line(exported_model, checkpoint, tmp_path):

@@ -71,6 +71,15 @@ def test_prefixes_are_kept_verbatim_and_unguided_lines_in_the_batch_are_unchange
     assert guided[0] == alone  # batched equals alone
 
 
+@pytest.mark.parametrize("eos_after_prefix, expected", [(0.45, [4, 5, 6]), (0.6, [4])])
+def test_beam_search_ends_right_after_a_prefix_only_where_eos_is_the_best_token(eos_after_prefix, expected):
+    """CTranslate2's rule (its issue #277), which the export's parity needs: prefix [4] then EOS
+    scores best either way (log 0.45 > log 0.55 x 0.7), but is found only where EOS leads."""
+    table = {(): {4: 1.0}, (4,): {EOS_ID: eos_after_prefix, 5: 1 - eos_after_prefix}, (4, 5): {6: 0.7, EOS_ID: 0.3}}
+    ((best, *_),) = beam_search(TableModel(table), sentences(0), no_norm(beam=3), guidance=Guidance([[4]], [[]]))
+    assert best.tokens == expected
+
+
 def test_greedy_with_a_prefix_equals_beam_one():
     model = ScriptedModel(seed=4)
     guidance = Guidance([[4], [1, 6], []], [[], [], []])
