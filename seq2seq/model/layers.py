@@ -7,6 +7,7 @@ sub-layer) so they map one-to-one onto fairseq/Marian/CTranslate2 Transformer ch
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -242,7 +243,8 @@ class FeedForward(nn.Module):
         self.fc1 = nn.Linear(d_model, ffn_dim)
         self.fc2 = nn.Linear(ffn_dim, d_model)
         self.dropout = Dropout(dropout)
-        self.activation = F.gelu if activation == "gelu" else F.relu
+        # ReLU in place: fc1's output is fresh, and fc1's backward does not read it
+        self.activation = F.gelu if activation == "gelu" else partial(F.relu, inplace=True)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.fc2(self.dropout(self.activation(self.fc1(x))))
