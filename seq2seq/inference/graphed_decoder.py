@@ -118,7 +118,7 @@ class DecoderStep:
     def load(self, memory: Tensor, src_mask: Tensor) -> None:
         """Start a batch: the encoder's keys/values and mask, empty self-attention buffers."""
         self.src_mask.copy_(src_mask)
-        flat = Memory(memory, 1)
+        flat = Memory(memory, src_mask, 1)
         for layer, cache in zip(self.model.decoder_layers, self.layers):
             k, v = layer.cross_attn.project_kv(flat.flat, flat.rows)
             cache.cross_k.copy_(k)

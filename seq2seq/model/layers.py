@@ -29,48 +29,74 @@ def row_multiple(device: torch.device) -> int:
 class Rows:
     """Where a (batch, length) block of positions lies in a stack's flat (padded, d) activations.
 
-    Why flat and padded: oneDNN, which runs PyTorch's bf16 matmuls on CPU, compiles and caches a
-    kernel (0.3-4 MiB) for every new row count of a linear layer, forward and backward. A batch's
-    rows are its sentences x padded length, a product that each epoch's batches keep renewing, so
-    that cache, and RSS, crept by ~80 MiB per 1,000 steps. A stack pads its rows once, with at most
-    `multiple` - 1 zero rows, and keeps them: every linear, LayerNorm and dropout works on the
-    padded rows as they are, and only attention, which needs the (batch, length) structure, views
-    the first `used` rows. The padding rows never reach attention or the output, so results and
-    gradients are those of the unpadded model. Padding each linear's input and slicing its output
-    instead cost 5.6% of a step in copies.
+    Why flat: every linear, LayerNorm and dropout works on rows, and only attention, which needs
+    the (batch, length) structure, views them as such. That lets a stack skip what costs time and
+    changes nothing:
+
+    - PAD positions (`tokens`, on CPU). Token-bucketed batches still hold PAD positions, on both
+      sides; their rows were computed and thrown away. With `tokens`, the flat rows are the token
+      positions alone, and attention sees the PAD positions as zero rows: masked as keys (source
+      padding mask; a target's PADs trail it, so causal masking hides them), and their queries'
+      outputs are dropped. The matrix products of a step shrink by the PAD share (README,
+      Performance: that share on the Bible config, and the speed it gave). On a GPU every position
+      is kept: listing the token positions there (nonzero) would make the host wait for the device.
+    - oneDNN's kernel cache. oneDNN, which runs PyTorch's bf16 matmuls on CPU, compiles and caches
+      a kernel (0.3-4 MiB) for every new row count of a linear layer, forward and backward. A batch's
+      row count keeps changing, so that cache, and RSS, crept by ~80 MiB per 1,000 steps. A stack
+      pads its rows once, with at most `multiple` - 1 zero rows, and keeps them; attention reads
+      only the first `used` rows, so results and gradients are those of the unpadded model. Padding
+      each linear's input and slicing its output instead cost 5.6% of a step in copies.
     """
 
     batch: int
     length: int
     multiple: int = 1
+    tokens: Tensor | None = None  # flat indices into batch x length of the rows kept; None: all of them
+
+    @classmethod
+    def of(cls, keep: Tensor, multiple: int) -> Rows:
+        """The rows of a (batch, length) block whose positions to compute are True in `keep`: only
+        those on a CPU (when some are not), every one elsewhere."""
+        tokens = None
+        if keep.device.type == "cpu":
+            tokens = keep.reshape(-1).nonzero().squeeze(1)
+            if tokens.numel() == keep.numel():
+                tokens = None
+        return cls(keep.size(0), keep.size(1), multiple, tokens)
 
     @property
     def used(self) -> int:
-        return self.batch * self.length
+        return self.batch * self.length if self.tokens is None else self.tokens.numel()
 
     @property
     def padded(self) -> int:
         return self.used + (-self.used % self.multiple)
 
     def flatten(self, x: Tensor) -> Tensor:
-        """(batch, length, ...features) -> (padded, features), zero rows last."""
-        flat = x.reshape(self.used, -1)
+        """(batch, length, ...features) -> (padded, features): the kept positions, then zero rows."""
+        flat = x.reshape(self.batch * self.length, -1)
+        if self.tokens is not None:
+            flat = flat.index_select(0, self.tokens)
         return flat if self.padded == self.used else F.pad(flat, (0, 0, 0, self.padded - self.used))
 
     def unflatten(self, x: Tensor) -> Tensor:
-        """(padded, features) -> (batch, length, features), a view of the rows in use."""
-        return x[: self.used].view(self.batch, self.length, x.size(-1))
+        """(padded, features) -> (batch, length, features), zeros where a position was not kept."""
+        kept = x[: self.used]
+        if self.tokens is not None:
+            kept = kept.new_zeros(self.batch * self.length, x.size(-1)).index_copy(0, self.tokens, kept)
+        return kept.view(self.batch, self.length, x.size(-1))
 
 
 class Memory:
-    """The encoder output as the decoder layers read it: flat padded rows, made on first use.
+    """The encoder output (B, S, d) as the decoder layers read it: flat rows of the source positions
+    that src_mask (B, 1, 1, S) keeps, made on first use.
 
     With a filled cache the decoder reads the encoder's keys/values from it, so an incremental
     search step does not pay for flattening the memory again.
     """
 
-    def __init__(self, memory: Tensor, multiple: int) -> None:
-        self.rows = Rows(memory.size(0), memory.size(1), multiple)
+    def __init__(self, memory: Tensor, src_mask: Tensor, multiple: int) -> None:
+        self.rows = Rows.of(src_mask[:, 0, 0], multiple)
         self._memory = memory
         self._flat: Tensor | None = None
 
@@ -340,8 +366,8 @@ class DecoderLayer(nn.Module):
         if rows.batch != sentences:
             # Beams of one sentence share its encoder output: fold them into the query length, so the
             # encoder keys/values are stored, reordered and attended once per sentence, not per beam.
-            # The flat rows are the same; only their (batch, length) reading changes.
-            rows = Rows(sentences, rows.used // sentences, rows.multiple)
+            # The flat rows, and the flat index of each, are the same; only their (batch, length) reading changes.
+            rows = Rows(sentences, rows.batch * rows.length // sentences, rows.multiple, rows.tokens)
         return self.cross_attn.attend(h, rows, k, v, mask=src_mask)
 
     def _memory_kv(self, memory: Memory, cache: LayerCache | None) -> tuple[Tensor, Tensor]:

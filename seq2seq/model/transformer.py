@@ -68,25 +68,32 @@ class Seq2SeqTransformer(nn.Module):
         return self.dropout(x + sinusoidal_positions(positions, self.config.d_model).to(x.dtype))
 
     def encode(self, src: Tensor, src_mask: Tensor) -> Tensor:
-        """src (B, S) ids, src_mask (B, 1, 1, S) -> memory (B, S, d)."""
-        rows = Rows(*src.shape, row_multiple(src.device))  # layers.Rows: why the stack runs on flat rows
+        """src (B, S) ids, src_mask (B, 1, 1, S) -> memory (B, S, d); zeros where src_mask is False."""
+        rows = Rows.of(src_mask[:, 0, 0], row_multiple(src.device))  # layers.Rows: why the stack runs on flat rows
         x = rows.flatten(self.embed(self.src_embed, src, 0))
         for layer in self.encoder_layers:
             x = layer(x, rows, src_mask)
         return rows.unflatten(self.encoder_norm(x))
 
     def decode_hidden(self, tgt: Tensor, memory: Tensor, src_mask: Tensor, cache: DecoderCache | None = None) -> Tensor:
-        """tgt (B, T) ids -> decoder output (B, T, d); with a cache, tgt holds only the new positions."""
-        x, rows, memory = self._decoder_input(tgt, memory, 0 if cache is None else cache.length)
+        """tgt (B, T) ids -> decoder output (B, T, d); with a cache, tgt holds only the new positions.
+
+        Without a cache, tgt's PAD positions must trail its tokens (right padding); their outputs are zeros."""
+        x, rows, memory = self._decoder_input(tgt, memory, src_mask, cache)
         for index, layer in enumerate(self.decoder_layers):
             x = layer(x, rows, memory, src_mask, None if cache is None else cache.layers[index])
         return rows.unflatten(self.decoder_norm(x))
 
-    def _decoder_input(self, tgt: Tensor, memory: Tensor, start: int) -> tuple[Tensor, Rows, Memory]:
-        """The embedded target as flat rows, and the memory as the decoder layers read it."""
+    def _decoder_input(
+        self, tgt: Tensor, memory: Tensor, src_mask: Tensor, cache: DecoderCache | None
+    ) -> tuple[Tensor, Rows, Memory]:
+        """The embedded target as flat rows, and the memory as the decoder layers read it.
+
+        A cached decoder computes every position, PAD included: its cache's rows line up with the batch's."""
         multiple = row_multiple(tgt.device)
-        rows = Rows(*tgt.shape, multiple)
-        return rows.flatten(self.embed(self.tgt_embed, tgt, start)), rows, Memory(memory, multiple)
+        rows = Rows.of(tgt != PAD_ID, multiple) if cache is None else Rows(*tgt.shape, multiple)
+        start = 0 if cache is None else cache.length
+        return rows.flatten(self.embed(self.tgt_embed, tgt, start)), rows, Memory(memory, src_mask, multiple)
 
     def decode(self, tgt: Tensor, memory: Tensor, src_mask: Tensor, cache: DecoderCache | None = None) -> Tensor:
         """tgt (B, T) ids -> logits (B, T, V)."""
@@ -116,7 +123,7 @@ class Seq2SeqTransformer(nn.Module):
         """Cross-attention probabilities (layers, B, heads, T, S) for a teacher-forced target, for plots."""
         src_mask = padding_mask(src)
         memory = self.encode(src, src_mask)
-        x, rows, memory = self._decoder_input(tgt_in, memory, 0)
+        x, rows, memory = self._decoder_input(tgt_in, memory, src_mask, None)
         maps = []
         for layer in self.decoder_layers:
             maps.append(layer.cross_attention_weights(x, rows, memory, src_mask))

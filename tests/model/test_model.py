@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 from seq2seq.config import ModelConfig
 from seq2seq.data.special_tokens import PAD_ID, padding_mask
@@ -49,7 +49,7 @@ def test_layers_match_torch_transformer_with_padding(norm):
         memory = src_rows.flatten(src_embedded)
         for layer in ours.encoder_layers:
             memory = layer(memory, src_rows, src_mask)
-        memory = Memory(src_rows.unflatten(ours.encoder_norm(memory)), ROW_MULTIPLE)
+        memory = Memory(src_rows.unflatten(ours.encoder_norm(memory)), src_mask, ROW_MULTIPLE)
         out = tgt_rows.flatten(tgt_embedded)
         for layer in ours.decoder_layers:
             out = layer(out, tgt_rows, memory, src_mask, None)
@@ -165,12 +165,80 @@ def test_cross_attention_maps_are_distributions_over_real_source_tokens():
     assert torch.all(maps[..., 4:] == 0)
 
 
+def _padded_pairs() -> tuple[Tensor, Tensor, Tensor, list[tuple[int, int]]]:
+    """Three pairs of different source and target lengths, right-padded: src, tgt_in, tgt_out, lengths."""
+    lengths = [(7, 6), (3, 2), (5, 4)]
+    src = torch.full((3, 7), PAD_ID)
+    tgt_in, tgt_out = torch.full((3, 6), PAD_ID), torch.full((3, 6), PAD_ID)
+    for row, (source, target) in enumerate(lengths):
+        src[row, :source] = torch.randint(4, VOCAB, (source,))
+        tgt_in[row, :target] = torch.randint(4, VOCAB, (target,))
+        tgt_out[row, :target] = torch.randint(4, VOCAB, (target,))
+    return src, tgt_in, tgt_out, lengths
+
+
+@pytest.mark.parametrize("norm", ["post", "pre"])
+def test_a_padded_batch_has_the_logits_and_gradients_of_its_sentences_alone(norm):
+    """PAD positions change nothing that training reads: the logits of every real position, and the
+    gradient of the summed loss, equal those of each sentence run without any padding."""
+    torch.manual_seed(0)
+    model = make_model(norm)
+    src, tgt_in, tgt_out, lengths = _padded_pairs()
+
+    def loss_and_grads(logits: Tensor, gold: Tensor) -> tuple[Tensor, list[Tensor]]:
+        loss = F.cross_entropy(logits.flatten(0, 1), gold.flatten(), ignore_index=PAD_ID, reduction="sum")
+        model.zero_grad()
+        loss.backward()
+        return loss.detach(), [param.grad.clone() for param in model.parameters()]
+
+    batched = model(src, tgt_in)
+    batched_loss, batched_grads = loss_and_grads(batched, tgt_out)
+    alone_loss, alone_grads = 0.0, [torch.zeros_like(param) for param in model.parameters()]
+    for row, (source, target) in enumerate(lengths):
+        logits = model(src[row : row + 1, :source], tgt_in[row : row + 1, :target])
+        torch.testing.assert_close(batched[row, :target], logits[0], atol=1e-5, rtol=1e-5)
+        loss, grads = loss_and_grads(logits, tgt_out[row : row + 1, :target])
+        alone_loss += loss
+        alone_grads = [total + grad for total, grad in zip(alone_grads, grads)]
+    torch.testing.assert_close(batched_loss, alone_loss, atol=1e-4, rtol=1e-5)
+    for batched_grad, alone_grad in zip(batched_grads, alone_grads):
+        torch.testing.assert_close(batched_grad, alone_grad, atol=1e-5, rtol=1e-4)
+
+
+def test_position_wise_layers_compute_the_tokens_and_not_the_padding_on_cpu():
+    """layers.Rows: on CPU, every linear, LayerNorm and dropout runs on the token positions alone."""
+    model = make_model("pre")
+    src, tgt_in, _, lengths = _padded_pairs()
+    seen = {}
+    for name in ("encoder_layers.0.ffn.fc1", "decoder_layers.1.self_attn.q_proj", "decoder_layers.0.cross_attn.k_proj"):
+        module = model.get_submodule(name)
+        module.register_forward_hook(lambda module, inputs, output, name=name: seen.update({name: inputs[0].size(0)}))
+    with torch.no_grad():
+        model(src, tgt_in)
+    source_tokens, target_tokens = sum(s for s, _ in lengths), sum(t for _, t in lengths)
+    assert seen == {
+        "encoder_layers.0.ffn.fc1": source_tokens,
+        "decoder_layers.1.self_attn.q_proj": target_tokens,
+        "decoder_layers.0.cross_attn.k_proj": source_tokens,
+    }
+    assert source_tokens < src.numel() and target_tokens < tgt_in.numel()
+
+
+def test_rows_list_no_token_positions_off_the_cpu():
+    """Listing the kept positions (nonzero) makes the host wait for a GPU: off the CPU every position is computed."""
+    keep = torch.tensor([[True, True, False], [True, False, False]])
+    assert Rows.of(keep, 1).tokens.tolist() == [0, 1, 3]
+    assert Rows.of(keep.to("meta"), 1).tokens is None
+    assert Rows.of(torch.ones(2, 3, dtype=torch.bool), 1).tokens is None  # nothing to skip
+
+
 def test_beams_sharing_one_memory_row_equal_a_repeated_memory():
     model = make_model("pre")
     src = torch.randint(4, VOCAB, (2, 6))
     src[1, 3:] = PAD_ID
     beams = 3
     tgt = torch.randint(4, VOCAB, (2 * beams, 5))
+    tgt[1, 3:] = PAD_ID  # a shorter target too: its PAD positions are skipped on CPU (layers.Rows)
     with torch.no_grad():
         src_mask = padding_mask(src)
         memory = model.encode(src, src_mask)
