@@ -10,9 +10,8 @@ the batch so that later steps cost less.
 Two kinds of guidance apply per sentence. A target prefix is forced token by token (only the
 prefix's token is allowed, at log-probability 0: as CTranslate2 does, a score counts the tokens
 the search chose, normalised by the whole output's length; beam search ends a hypothesis right
-after its prefix only where EOS is the best token).
-Terminology constraints run through constraints.py's dynamic beam allocation, for the sentences
-that have some.
+after its prefix only where EOS is the best token). Terminology constraints run through
+constraints.py's dynamic beam allocation, for the sentences that have some.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ sub-layer) so they map one-to-one onto fairseq/Marian/CTranslate2 Transformer ch
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
+from functools import cached_property, partial
 
 import torch
 import torch.nn.functional as F
@@ -92,20 +92,20 @@ class Memory:
     that src_mask (B, 1, 1, S) keeps, made on first use.
 
     With a filled cache the decoder reads the encoder's keys/values from it, so an incremental
-    search step does not pay for flattening the memory again.
+    search step pays for neither flattening the memory nor listing its positions again.
     """
 
     def __init__(self, memory: Tensor, src_mask: Tensor, multiple: int) -> None:
-        self.rows = Rows.of(src_mask[:, 0, 0], multiple)
-        self._memory = memory
-        self._flat: Tensor | None = None
+        self._memory, self._src_mask, self._multiple = memory, src_mask, multiple
 
-    @property
+    @cached_property
+    def rows(self) -> Rows:
+        return Rows.of(self._src_mask[:, 0, 0], self._multiple)
+
+    @cached_property
     def flat(self) -> Tensor:
         """(rows.padded, d)"""
-        if self._flat is None:
-            self._flat = self.rows.flatten(self._memory)
-        return self._flat
+        return self.rows.flatten(self._memory)
 
 
 @dataclass

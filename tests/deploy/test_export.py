@@ -66,9 +66,9 @@ def test_float32_export_passes_the_gate_and_translates_like_the_checkpoint(check
     ids=["defaults", "patience-1", "patience-3-nbest-3", "average", "none", "power-0.6", "greedy"],
 )  # fmt: skip
 def test_both_engines_run_one_beam_search(exported_model, settings):
-    """The same search in both engines: every n-best list equal, hypothesis for hypothesis (up to ties), and its
-    scores within float tolerance, on the half-trained model (an unsure model, whose searches branch
-    and stop in many ways). The settings cover the stopping rule (patience) and every ranking."""
+    """The same search in both engines: every n-best list equal, hypothesis for hypothesis (up to
+    ties), and its scores within float tolerance, on the half-trained model (an unsure model, whose
+    searches branch and stop in many ways). The settings cover the stopping rule (patience) and every ranking."""
     ours, exported, lines = exported_model
     decode = ours.settings(**{"beam": 5, **settings})
     mine, theirs = ours.translate_with(lines, decode), exported.translate_with(lines, decode)
