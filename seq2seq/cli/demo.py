@@ -8,8 +8,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import yaml
-
 from seq2seq.config import load_config
 from seq2seq.data.demo_data import write_demo_corpus
 from seq2seq.data.prepare import read_split
@@ -26,27 +24,22 @@ DEMO_MARKER = ".seq2seq-demo"  # written into every demo run directory: only tho
 
 
 def _check_run_dir(run_dir: Path) -> bool:
-    """Whether run_dir holds an earlier demo run (to be replaced). New or empty is fine; anything else
-    is the user's and is refused before any work, so the demo never deletes what it did not make."""
+    """Whether run_dir holds an earlier demo run (to be replaced): only a directory carrying the marker
+    that the demo writes into its own runs. New or empty is fine; anything else is the user's (a run
+    of `seq2seq train configs/demo.yaml` included) and is refused before any work, so the demo never
+    deletes what it did not make."""
     if not run_dir.exists():
         return False
     if not run_dir.is_dir():
         raise UserInputError(f"--run-dir {run_dir}: exists and is not a directory; choose a new path")
     if not any(run_dir.iterdir()):
         return False
-    if not (run_dir / DEMO_MARKER).is_file() and not _earlier_demo_run(run_dir):
-        raise UserInputError(f"--run-dir {run_dir}: not empty and not a demo run (no {DEMO_MARKER}); the demo "
-                             "replaces only its own runs: choose a new or empty directory")  # fmt: skip
+    if not (run_dir / DEMO_MARKER).is_file():
+        raise UserInputError(
+            f"--run-dir {run_dir}: not empty and not made by `seq2seq demo` (no {DEMO_MARKER}); the demo replaces "
+            "only its own runs: choose a new or empty directory"
+        )
     return True
-
-
-def _earlier_demo_run(run_dir: Path) -> bool:
-    """A run of a demo from before the marker: its resolved config trains on the demo corpus."""
-    try:
-        config = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8"))
-        return config["data"]["train"]["src"] == str(DEMO_DATA_DIR / "train.en")
-    except (OSError, yaml.YAMLError, KeyError, TypeError):
-        return False
 
 
 def run_demo(

@@ -306,10 +306,21 @@ def test_demo_refuses_a_run_directory_it_did_not_make(tmp_path, monkeypatch):
     mine.mkdir()
     (mine / "notes.txt").write_text("keep")
     result = invoke("demo", "--run-dir", str(mine), "--set", "train.max_steps=1")
-    assert result.exit_code == 2
-    assert "not empty and not a demo run" in result.output and str(mine) in result.output
+    assert_user_error(result, f"--run-dir {mine}: not empty and not made by `seq2seq demo`")
     assert (mine / "notes.txt").read_text() == "keep"
     assert not (tmp_path / "data").exists()
+
+
+def test_demo_leaves_a_run_the_user_trained_on_the_demo_config(tmp_path, monkeypatch):
+    """`seq2seq train configs/demo.yaml` writes runs/demo, the demo's default directory: its config
+    trains on data/demo like a demo run's, but the run is the user's and the demo must not replace it."""
+    monkeypatch.chdir(tmp_path)
+    users_run = tmp_path / "runs" / "demo"
+    (users_run / "checkpoints").mkdir(parents=True)
+    (users_run / "config.yaml").write_text("data:\n  train: {src: data/demo/train.en, tgt: data/demo/train.xx}\n")
+    (users_run / "checkpoints" / "step_00002000.pt").write_bytes(b"two thousand steps of the user's training")
+    assert_user_error(invoke("demo", "--set", "train.max_steps=1"), "--run-dir runs/demo: not empty and not made")
+    assert (users_run / "checkpoints" / "step_00002000.pt").read_bytes().startswith(b"two thousand")
 
 
 def test_demo_replaces_only_its_own_runs(tmp_path):
@@ -320,7 +331,3 @@ def test_demo_replaces_only_its_own_runs(tmp_path):
     (tmp_path / DEMO_MARKER).write_text("demo")
     (tmp_path / "train.log").write_text("")
     assert _check_run_dir(tmp_path) is True
-    legacy = tmp_path / "legacy"  # a demo run from before the marker: its config trains on data/demo
-    legacy.mkdir()
-    (legacy / "config.yaml").write_text("data:\n  train: {src: data/demo/train.en, tgt: data/demo/train.xx}\n")
-    assert _check_run_dir(legacy) is True
