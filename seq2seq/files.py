@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -33,19 +34,21 @@ def check_writable(path: str | Path, *, what: str = "output file") -> None:
 
 
 def temporary_path(path: str | Path) -> Path:
-    """Where `path` is built before it is renamed into place: .NAME.tmp-PID beside it (the PID tells
-    remove_stale_temporaries whether the process that writes it is still alive)."""
+    """Where `path` is built before it is renamed into place: .NAME.tmp-HOST-PID beside it. The host
+    and PID tell remove_stale_temporaries whether its writer is still alive: a PID means nothing on
+    another host or container sharing the folder (a network file system, a mounted cache)."""
     path = Path(path)
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    return path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
 
 
 def remove_stale_temporaries(folder: str | Path, name: str = "*") -> None:
-    """Remove the temporaries (.NAME.tmp-PID files or folders) of `name` in `folder` that a process
-    which no longer runs left behind; those of a live process, which is still writing them, stay."""
-    folder = Path(folder)
+    """Remove the temporaries (.NAME.tmp-HOST-PID files or folders) of `name` in `folder` that a
+    process of this host which no longer runs left behind. A live process's, which it is still
+    writing, stay; so do another host's, whose processes this one cannot see."""
+    folder, host = Path(folder), socket.gethostname()
     for stale in folder.glob(f".{name}.tmp-*") if folder.is_dir() else ():
-        pid = stale.name.rsplit("-", 1)[1]
-        if not pid.isdigit() or _running(int(pid)):
+        writer_host, _, pid = stale.name.rpartition(".tmp-")[2].rpartition("-")
+        if writer_host != host or not pid.isdigit() or _running(int(pid)):
             continue
         if stale.is_dir() and not stale.is_symlink():
             shutil.rmtree(stale, ignore_errors=True)

@@ -67,7 +67,7 @@ class RunDir:
             )
 
     def remove_stale_temporaries(self) -> None:
-        """Temporary files a killed process left half-written (files.temporary_path names them .NAME.tmp-PID)."""
+        """Temporary files a killed process left half-written (files.temporary_path names them .NAME.tmp-HOST-PID)."""
         for folder in (self.root, self.checkpoints, self.tokenizer):
             remove_stale_temporaries(folder)
 

@@ -8,6 +8,7 @@ import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -131,21 +132,40 @@ def _dead_pid() -> int:
     return process.pid
 
 
+HOST = socket.gethostname()
+
+
 def test_stale_temporaries_of_ended_processes_go_and_a_live_writers_stay(tmp_path):
     from seq2seq.files import remove_stale_temporaries
 
     dead, alive = _dead_pid(), os.getpid()
-    (tmp_path / f".out.txt.tmp-{dead}").write_text("half")
-    (tmp_path / f".entry.tmp-{dead}").mkdir()
-    (tmp_path / f".entry.tmp-{dead}" / "ids.bin").write_text("half")
-    keep = [tmp_path / f".out.txt.tmp-{alive}", tmp_path / "out.txt", tmp_path / ".notes.tmp-draft"]
+    (tmp_path / f".out.txt.tmp-{HOST}-{dead}").write_text("half")
+    (tmp_path / f".entry.tmp-{HOST}-{dead}").mkdir()
+    (tmp_path / f".entry.tmp-{HOST}-{dead}" / "ids.bin").write_text("half")
+    keep = [tmp_path / f".out.txt.tmp-{HOST}-{alive}", tmp_path / "out.txt", tmp_path / ".notes.tmp-draft"]
     for path in keep:
         path.write_text("mine")
     remove_stale_temporaries(tmp_path, "out.txt")
-    assert not (tmp_path / f".out.txt.tmp-{dead}").exists() and (tmp_path / f".entry.tmp-{dead}").exists()
+    assert not (tmp_path / f".out.txt.tmp-{HOST}-{dead}").exists() and (tmp_path / f".entry.tmp-{HOST}-{dead}").exists()
     remove_stale_temporaries(tmp_path)
-    assert not (tmp_path / f".entry.tmp-{dead}").exists()
+    assert not (tmp_path / f".entry.tmp-{HOST}-{dead}").exists()
     assert all(path.read_text() == "mine" for path in keep)  # a live writer's, the user's, not ours
+
+
+def test_another_hosts_temporaries_stay_whatever_their_pid(tmp_path):
+    """A cache folder shared between hosts or containers: another host's writer may be alive with a
+    PID that no process here has; its folder is not this host's to sweep."""
+    from seq2seq.files import remove_stale_temporaries, temporary_path
+
+    dead = _dead_pid()
+    theirs = tmp_path / f".0123abcd.tmp-{HOST}x-{dead}"  # the PID is dead here, not on host {HOST}x
+    theirs.mkdir()
+    (theirs / "ids.bin").write_text("being written on another host")
+    ours = tmp_path / f".4567cdef.tmp-{HOST}-{dead}"
+    ours.mkdir()
+    remove_stale_temporaries(tmp_path)
+    assert (theirs / "ids.bin").exists() and not ours.exists()
+    assert temporary_path(tmp_path / "out.txt").name == f".out.txt.tmp-{HOST}-{os.getpid()}"
 
 
 def test_every_writer_sweeps_what_a_killed_one_left(tmp_path, trained_checkpoint):
@@ -154,12 +174,12 @@ def test_every_writer_sweeps_what_a_killed_one_left(tmp_path, trained_checkpoint
     from seq2seq.files import write_text_atomic
 
     dead = _dead_pid()
-    stale_output = tmp_path / f".report.json.tmp-{dead}"
+    stale_output = tmp_path / f".report.json.tmp-{HOST}-{dead}"
     stale_output.write_text("half")
     write_text_atomic(tmp_path / "report.json", "{}\n")
     assert not stale_output.exists() and (tmp_path / "report.json").read_text() == "{}\n"
 
-    stale_entry = tmp_path / "cache" / f".0123abcd.tmp-{dead}"
+    stale_entry = tmp_path / "cache" / f".0123abcd.tmp-{HOST}-{dead}"
     stale_entry.mkdir(parents=True)
     with cache.new_entry(tmp_path / "cache" / "4567cdef") as folder:
         cache.write_report(folder, {})
@@ -168,7 +188,7 @@ def test_every_writer_sweeps_what_a_killed_one_left(tmp_path, trained_checkpoint
     pytest.importorskip("ctranslate2", reason="optional extra: pip install -e '.[export]' (included in [dev])")
     from seq2seq.deploy.export import export_checkpoint
 
-    stale_staging = tmp_path / f".model.tmp-{dead}"
+    stale_staging = tmp_path / f".model.tmp-{HOST}-{dead}"
     stale_staging.mkdir()
     (stale_staging / "model.bin").write_text("half")
     checkpoint, _ = trained_checkpoint
