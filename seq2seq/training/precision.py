@@ -5,16 +5,18 @@ matrix rate. Where it has none, PyTorch emulates it, and the emulation is far sl
 an AVX2-only CPU by two orders of magnitude: README, Performance), so a bf16 config crawled there
 without a word. The rule:
 
-* a CUDA GPU: bf16 where `torch.cuda.is_bf16_supported()` (Ampere and newer), else fp16 with loss
-  scaling;
+* a CUDA GPU: bf16 where the GPU has bf16 arithmetic (compute capability 8.0, Ampere, and newer;
+  `torch.cuda.is_bf16_supported()` also says yes where bf16 is only emulated, on a V100 or a T4),
+  else fp16 with loss scaling;
 * a CPU: bf16 where oneDNN runs bf16 matmuls (`torch.ops.mkldnn._is_mkldnn_bf16_supported()`:
   AVX-512 or AMX on x86, bf16 instructions on Arm) *and* a short measured probe finds a bf16 matmul
-  at least as fast as an fp32 one (AVX-512 without bf16 instructions passes the first test but
-  emulates bf16); fp32 otherwise. The probe runs only where the first test passed, so an AVX2 CPU
-  pays nothing for it.
+  clearly faster than an fp32 one (by BF16_MARGIN: AVX-512 without bf16 instructions passes the
+  first test but emulates bf16, and a near tie is noise that could flip between two starts); fp32
+  otherwise. The probe runs only where the first test passed, so an AVX2 CPU pays nothing for it.
 
-An explicit bf16 on a CPU that would emulate it is kept (the user asked for it) with one warning
-that gives the measured rates.
+A run decides once, when it starts: a resumed run keeps the precision it recorded (the probe is
+noisy, and a precision that changed midway would change the run). An explicit bf16 on a CPU that
+would emulate it is kept (the user asked for it) with one warning that gives the measured rates.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ log = logging.getLogger(__name__)
 
 PROBE_SHAPE = (256, 512, 512)  # (rows, inner, columns): a linear layer of a small translation model
 PROBE_SECONDS = 0.05  # per precision; at 1 GFLOP/s one product alone takes ~0.13 s, which ends the probe
+BF16_MARGIN = 1.2  # auto takes bf16 on a CPU only where its matmul is at least this much faster than fp32
+CUDA_BF16_CAPABILITY = (8, 0)  # Ampere: the first GPUs with bf16 tensor cores
 
 
 @dataclass(frozen=True)
@@ -90,15 +94,24 @@ def onednn_runs_bf16() -> bool:
 
 
 def cpu_has_native_bf16() -> bool:
-    """oneDNN runs bf16 here and a measured bf16 matmul is at least as fast as fp32."""
+    """oneDNN runs bf16 here and a measured bf16 matmul is faster than fp32 by BF16_MARGIN."""
     if not onednn_runs_bf16():
         return False
     rates = cpu_matmul_rates()
-    return rates.bf16 >= rates.fp32
+    return rates.bf16 >= BF16_MARGIN * rates.fp32
 
 
-def choose_precision(requested: str, device: torch.device) -> Choice:
-    """The precision to train with on `device` for the configured `requested` (auto, fp32, bf16, fp16)."""
+def cuda_has_native_bf16(device: torch.device) -> bool:
+    """The GPU does bf16 arithmetic in hardware (compute capability 8.0 or more)."""
+    return torch.cuda.get_device_capability(device) >= CUDA_BF16_CAPABILITY
+
+
+def choose_precision(requested: str, device: torch.device, *, recorded: str | None = None) -> Choice:
+    """The precision to train with on `device` for the configured `requested` (auto, fp32, bf16, fp16).
+    `recorded`: what a resumed run resolved when it started, which auto keeps."""
+    runnable = ("fp32", "bf16", "fp16") if device.type == "cuda" else ("fp32", "bf16")
+    if requested == "auto" and recorded in runnable:
+        return Choice(recorded, "auto: kept from the run's start; set train.precision to change it")
     if requested != "auto":
         if requested == "bf16" and device.type == "cpu" and not cpu_has_native_bf16():
             rates = cpu_matmul_rates()
@@ -106,15 +119,16 @@ def choose_precision(requested: str, device: torch.device) -> Choice:
                         "auto or fp32", rates.bf16, rates.fp32)  # fmt: skip
         return Choice(requested, "as configured")
     if device.type == "cuda":
-        if torch.cuda.is_bf16_supported():
+        if cuda_has_native_bf16(device):
             return Choice("bf16", f"auto: {torch.cuda.get_device_name(device)} runs bf16 natively")
-        return Choice("fp16", f"auto: {torch.cuda.get_device_name(device)} has no bf16; fp16 with loss scaling")
+        return Choice("fp16", f"auto: {torch.cuda.get_device_name(device)} has no bf16 arithmetic; fp16 with loss "
+                              "scaling")  # fmt: skip
     if cpu_has_native_bf16():
         rates = cpu_matmul_rates()
         return Choice("bf16", f"auto: this CPU runs bf16 natively (matmul {rates.bf16:.0f} GFLOP/s, "
                               f"fp32 {rates.fp32:.0f})")  # fmt: skip
     if onednn_runs_bf16():
         rates = cpu_matmul_rates()
-        return Choice("fp32", f"auto: bf16 is slower than fp32 on this CPU (matmul {rates.bf16:.0f} vs "
+        return Choice("fp32", f"auto: bf16 is not {BF16_MARGIN:g}x fp32 on this CPU (matmul {rates.bf16:.0f} vs "
                               f"{rates.fp32:.0f} GFLOP/s)")  # fmt: skip
     return Choice("fp32", "auto: this CPU has no bf16 arithmetic (oneDNN has no bf16 kernels for it)")

@@ -98,17 +98,21 @@ class Trainer:
         self.device = self.dist.device()
         if tc.precision == "fp16" and self.device.type != "cuda":
             raise UserInputError("train.precision: fp16 needs a CUDA GPU (loss scaling); use auto, bf16 or fp32 on CPU")
-        # auto becomes what this hardware runs natively; the run's config (run directory, checkpoints)
-        # records the precision used. Rank 0 decides, so a borderline CPU probe cannot split the ranks.
-        choice = choose_precision(tc.precision, self.device)
-        self.precision_reason = choice.reason
-        tc = dataclasses.replace(tc, precision=self.dist.broadcast(choice.precision))
-        self.config = config = dataclasses.replace(config, train=tc)
         self.run_dir.check(resume=resume)
         resumed = None
         if resume:  # the checkpoint and the config are checked before the run directory is touched
             resumed_path = self.run_dir.latest_checkpoint()
             resumed = Checkpoint.load(resumed_path)
+        # auto becomes what this hardware runs natively, once per run: the run's config (run directory,
+        # checkpoints) records the precision used, and a resumed run keeps it. Rank 0 decides, so a
+        # borderline CPU probe cannot split the ranks.
+        choice = choose_precision(
+            tc.precision, self.device, recorded=resumed.config.train.precision if resumed else None
+        )
+        self.precision_reason = choice.reason
+        tc = dataclasses.replace(tc, precision=self.dist.broadcast(choice.precision))
+        self.config = config = dataclasses.replace(config, train=tc)
+        if resumed is not None:
             check_resumable(resumed.config, config, self.run_dir)
         self._log_file = contextlib.ExitStack()  # RUN_DIR/train.log, until run() ends
         if self.dist.is_main:

@@ -10,7 +10,7 @@ import torch
 
 import seq2seq.training.precision as precision
 from seq2seq.checkpoint import Checkpoint
-from seq2seq.training.precision import MatmulRates, choose_precision, cpu_matmul_rates, onednn_runs_bf16
+from seq2seq.training.precision import MatmulRates, choose_precision
 
 from ..conftest import make_trainer
 
@@ -55,16 +55,51 @@ def test_explicit_precisions_pass_unchanged_without_a_warning(monkeypatch, caplo
     assert not caplog.records
 
 
-def test_the_real_probe_on_this_cpu_decides_by_its_own_measurements():
-    """Whichever CPU this is: no oneDNN bf16 kernels means fp32 without measuring; otherwise the
-    measured rates decide."""
-    choice = choose_precision("auto", CPU)
-    if not onednn_runs_bf16():
-        assert choice.precision == "fp32"
-        return
-    rates = cpu_matmul_rates()
-    assert rates.fp32 > 0 and rates.bf16 > 0
-    assert choice.precision == ("bf16" if rates.bf16 >= rates.fp32 else "fp32")
+def test_auto_wants_a_clear_margin_before_it_takes_bf16(monkeypatch):
+    """A near tie is noise: it could pick bf16 on one start and fp32 on the next."""
+    pretend_cpu(monkeypatch, onednn_bf16=True, bf16=187.0)  # 1.1x fp32
+    assert choose_precision("auto", CPU).precision == "fp32"
+    pretend_cpu(monkeypatch, onednn_bf16=True, bf16=221.0)  # 1.3x
+    assert choose_precision("auto", CPU).precision == "bf16"
+
+
+def test_a_cpu_without_bf16_kernels_pays_for_no_probe(monkeypatch):
+    def probe():
+        raise AssertionError("the matmul probe ran on a CPU without oneDNN bf16 kernels")
+
+    monkeypatch.setattr(precision, "onednn_runs_bf16", lambda: False)
+    monkeypatch.setattr(precision, "cpu_matmul_rates", probe)
+    assert choose_precision("auto", CPU).precision == "fp32"
+
+
+@pytest.mark.parametrize(("capability", "expected"), [((7, 0), "fp16"), ((7, 5), "fp16"), ((8, 0), "bf16"),
+                                                      ((9, 0), "bf16")])  # fmt: skip
+def test_auto_takes_bf16_only_on_gpus_with_bf16_arithmetic(monkeypatch, capability, expected):
+    """torch.cuda.is_bf16_supported() says yes on a V100 (7.0) or a T4 (7.5), where bf16 is emulated."""
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a GPU")
+    assert choose_precision("auto", torch.device("cuda", 0)).precision == expected
+
+
+def test_a_resumed_run_keeps_the_precision_it_started_with(tmp_path, tiny_data, monkeypatch, caplog):
+    """The probe is noisy and the machine may have changed: auto is decided once, when the run starts."""
+    pretend_cpu(monkeypatch, onednn_bf16=False, bf16=1.0)
+    make_trainer(tmp_path, tiny_data, precision="auto", max_steps=2, save_every=2, valid_every=100).run()
+    pretend_cpu(monkeypatch, onednn_bf16=True, bf16=900.0)  # now bf16 would win
+    from seq2seq.config import config_from_dict
+    from seq2seq.training.trainer import Trainer
+
+    from ..conftest import tiny_config_dict
+
+    raw = tiny_config_dict(tiny_data, precision="auto", max_steps=4, save_every=2, valid_every=100)
+    resumed = Trainer(config_from_dict(raw, origin="test"), tmp_path / "run", resume=True, show_progress=False)
+    with caplog.at_level(logging.INFO, logger="seq2seq.training.trainer"):
+        result = resumed.run()
+    assert resumed.config.train.precision == "fp32"
+    assert Checkpoint.load(result.last_checkpoint).config.train.precision == "fp32"
+    assert "precision: fp32 (auto: kept from the run's start" in caplog.text
+    assert choose_precision("bf16", CPU, recorded="fp32").precision == "bf16"  # an explicit choice still wins
 
 
 def test_a_run_logs_and_records_the_precision_it_chose(tmp_path, tiny_data, monkeypatch, caplog):
