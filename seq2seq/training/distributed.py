@@ -22,6 +22,7 @@ class DistributedContext:
     world_size: int = 1
     local_rank: int = 0
     use_cuda: bool = False
+    host_group: Any = None  # gloo, for values that live on the host (under nccl: its own group)
 
     @property
     def enabled(self) -> bool:
@@ -56,6 +57,16 @@ class DistributedContext:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def rank_zero_number(self, value: float) -> float:
+        """Rank 0's number on every rank, over the host (no GPU is waited for): a cheap collective
+        that an update can afford, e.g. rank 0's training clock, so that every rank sets the same
+        learning rate and stops at the same step."""
+        if not self.enabled:
+            return value
+        tensor = torch.tensor([value], dtype=torch.float64)
+        dist.broadcast(tensor, src=0, group=self.host_group)
+        return float(tensor.item())
+
     def gather(self, value: Any) -> list[Any]:
         """Every rank's value, in rank order, on every rank."""
         if not self.enabled:
@@ -81,7 +92,8 @@ def setup_distributed(device: str = "auto") -> DistributedContext:
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if use_cuda else "gloo")
-    return DistributedContext(dist.get_rank(), world_size, local_rank, use_cuda)
+    host_group = dist.new_group(backend="gloo") if use_cuda else None  # None: the default group, gloo itself
+    return DistributedContext(dist.get_rank(), world_size, local_rank, use_cuda, host_group)
 
 
 def cuda_chosen(device: str, local_rank: int) -> bool:

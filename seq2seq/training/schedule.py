@@ -16,21 +16,17 @@ from seq2seq.checkpoint import Progress
 from seq2seq.config import TrainConfig
 
 
-def budget_spent(
-    progress: Progress, config: TrainConfig, *, batches_per_epoch: int, seconds_per_update: float | None = None
-) -> float:
+def budget_spent(progress: Progress, config: TrainConfig, *, batches_per_epoch: int) -> float:
     """The share of the budget spent once the current update is done, in [0, 1]: the largest of
     updates / max_steps, training seconds / max_time and epochs / max_epochs, since the run stops
     when the first of them reaches 1 (trainer.Trainer._stop_reason).
 
-    Training seconds are projected to the end of the current update from the mean update so far
-    (`seconds_per_update`; by default from this process's progress), so that the last update before
-    the deadline runs at the floor. Distributed ranks pass the mean of rank 0's clock, shared at log
-    steps, so that every rank computes the same rate. A resumed run counts the time spent before it
-    stopped (the progress that checkpoints keep)."""
+    Training seconds are projected to the end of the current update from the mean update so far, so
+    that the last update before the deadline runs at the floor. Distributed ranks keep rank 0's clock
+    in their progress (the trainer shares it after every update), so every rank computes the same
+    share. A resumed run counts the time spent before it stopped (the progress that checkpoints keep)."""
     spent = progress.step / config.max_steps
-    if seconds_per_update is None:
-        seconds_per_update = progress.train_seconds / (progress.step - 1) if progress.step > 1 else 0.0
+    seconds_per_update = progress.train_seconds / (progress.step - 1) if progress.step > 1 else 0.0
     if config.max_time:
         spent = max(spent, seconds_per_update * progress.step / config.max_time)
     if config.max_epochs:

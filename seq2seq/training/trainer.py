@@ -139,9 +139,6 @@ class Trainer:
         self.ema = ExponentialAverage(self.model, tc.ema_decay) if tc.ema_decay else None
         self.progress = Progress()
         self.budget_spent = 0.0  # share of the run's budget spent (schedule.budget_spent), for the progress bar
-        # ranks read their own clocks: under DDP the time share of the budget comes from rank 0's clock,
-        # shared at log steps (0 until the first), so that every rank sets the same learning rate
-        self.shared_seconds_per_update = 0.0 if self.dist.enabled else None
         self.last_step: StepResult | None = None
         self.skipped = SkippedUpdates(self.device)
         self.rss_peaks = PeakRss()
@@ -170,7 +167,7 @@ class Trainer:
         window_loss = torch.zeros((), dtype=torch.float64, device=self.device)
         window_loss_tokens = torch.zeros_like(window_loss)
         window_tokens, window_start = 0, time.perf_counter()
-        stop_reason = self._stop_reason(check_clock=True)  # a resumed run may have finished already
+        stop_reason = self._stop_reason()  # a resumed run may have finished already
         while not stop_reason:
             corpus = self.data.train_for_epoch(progress.epoch)  # subword sampling: this epoch's segmentation
             target_lengths = corpus.tgt.lengths() + 1
@@ -186,8 +183,7 @@ class Trainer:
                 my_batches = [make_batch(corpus, indices) for indices in mine]
                 my_tokens = sum(batch.num_tokens for batch in my_batches)
                 progress.step += 1
-                spent = budget_spent(progress, tc, batches_per_epoch=len(batches) - len(batches) % per_update,
-                                     seconds_per_update=self.shared_seconds_per_update)  # fmt: skip
+                spent = budget_spent(progress, tc, batches_per_epoch=len(batches) - len(batches) % per_update)
                 if progress.step == tc.warmup_steps:
                     progress.decay_start = spent
                 lr = learning_rate(progress.step, tc, d_model=self.config.model.d_model, spent=spent,
@@ -199,7 +195,9 @@ class Trainer:
                 if self.ema is not None:
                     self.ema.update(progress.step)
                 self.last_step = step
-                progress.train_seconds += time.perf_counter() - started
+                # ranks read their own clocks; rank 0's is the run's, from the first update on, so that
+                # every rank computes the same budget share (learning rate) and stops at the same step
+                progress.train_seconds = dist.rank_zero_number(progress.train_seconds + time.perf_counter() - started)
                 # a skipped update's NaN must not poison the mean
                 window_loss += torch.where(step.skipped, 0.0, step.loss_sum)
                 window_loss_tokens += (~step.skipped) * my_tokens
@@ -217,10 +215,7 @@ class Trainer:
                     self._validate()
                 if self.device.type == "cpu" and progress.step % HEAP_TRIM_EVERY == 0:
                     release_free_heap()  # see host_memory.py: keeps RSS near what is in use
-                stop_reason = self._stop_reason(check_clock=log_step or not dist.enabled)
-                if log_step and dist.enabled:  # the clock differs between ranks: rank 0 decides, on log steps only
-                    stop_reason = dist.broadcast(stop_reason)
-                    self.shared_seconds_per_update = dist.broadcast(progress.train_seconds) / progress.step
+                stop_reason = self._stop_reason()
                 if stop_reason and progress.step % tc.valid_every:
                     self._validate()  # the final weights (at the floor of a budgeted schedule) may be the best
                 if progress.step % tc.save_every == 0 or stop_reason:
@@ -324,11 +319,12 @@ class Trainer:
             (progress.best_bleu, progress.stale_validations)
         )
 
-    def _stop_reason(self, *, check_clock: bool) -> str:
+    def _stop_reason(self) -> str:
+        """Why the run stops now ("" to go on): the same on every rank, whose clocks are rank 0's."""
         tc, progress = self.config.train, self.progress
         if progress.step >= tc.max_steps:
             return f"max_steps ({tc.max_steps})"
-        if check_clock and tc.max_time and progress.train_seconds >= tc.max_time:
+        if tc.max_time and progress.train_seconds >= tc.max_time:
             return f"max_time ({tc.max_time:g}s)"
         if tc.patience and progress.stale_validations >= tc.patience:
             return f"no BLEU improvement in {tc.patience} validations (patience)"
@@ -360,9 +356,7 @@ class Trainer:
         self.model.load_state_dict(checkpoint.model)
         self.optimizer.load_state_dict(checkpoint.optimizer)
         self.scaler.load_state_dict(checkpoint.scaler)
-        self.progress = checkpoint.progress
-        if self.dist.enabled and self.progress.step:  # the saved clock is rank 0's, the same for every rank
-            self.shared_seconds_per_update = self.progress.train_seconds / self.progress.step
+        self.progress = checkpoint.progress  # its clock is rank 0's, the same for every rank
         if self.ema is not None and checkpoint.ema:
             self.ema.load_state_dict(checkpoint.ema)
         elif self.ema is not None:

@@ -1,11 +1,15 @@
 """DDP on CPU with gloo: two ranks equal one process with the same global batch, and resume works;
-a launch that train.device cannot place is one clear error."""
+a time budget runs on rank 0's clock from the first update; a launch that train.device cannot place
+is one clear error."""
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -67,6 +71,49 @@ def test_two_ranks_resume_where_they_stopped(tmp_path, config):
     for name, tensor in straight.items():
         torch.testing.assert_close(resumed[name], tensor, atol=1e-6, rtol=0, msg=name)
     assert Checkpoint.load(tmp_path / "stopped" / "checkpoints" / "last.pt").progress.step == 6
+
+
+def _train_on_a_fake_clock(rank: int, port: int, raw: dict, run_dir: Path, seconds: list[float]) -> None:
+    """One rank of a two-rank run whose clock advances `seconds[rank]` per update (a slower rank 1:
+    the ranks' clocks disagree, as real ones do); it writes the learning rate of each update."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))  # fmt: skip
+    import seq2seq.training.trainer as trainer
+    from seq2seq.config import config_from_dict
+    from seq2seq.training.distributed import shutdown_distributed
+
+    now, rates, real_step = [0.0], [], trainer.train_step
+
+    def timed_step(*args, lr: float, **kwargs):
+        rates.append(lr)
+        now[0] += seconds[rank]
+        return real_step(*args, lr=lr, **kwargs)
+
+    trainer.train_step = timed_step
+    trainer.time = types.SimpleNamespace(perf_counter=lambda: now[0])
+    torch.set_num_threads(1)
+    result = trainer.Trainer(config_from_dict(raw, origin="test"), run_dir, show_progress=False).run()
+    shutdown_distributed()
+    (run_dir / f"rates-{rank}.json").write_text(json.dumps({"rates": rates, "step": result.progress.step}))
+
+
+def test_a_time_budget_runs_on_rank_zeros_clock_from_the_first_update(tmp_path, tiny_data):
+    """max_time 10 s, rank 0 takes 1 s an update and rank 1 3 s: both ranks decay the learning rate
+    linearly by rank 0's clock from the first update (not by steps until a log step shares the
+    clock) and stop together after update 10."""
+    import torch.multiprocessing as mp
+
+    raw = tiny_config_dict(tiny_data, max_steps=1000, max_time=10.0, schedule="linear", warmup_steps=0, lr=0.002,
+                           log_every=100, valid_every=1000, save_every=1000, device="cpu")  # fmt: skip
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    run_dir = tmp_path / "run"
+    mp.spawn(_train_on_a_fake_clock, args=(port, raw, run_dir, [1.0, 3.0]), nprocs=2, join=True)
+    ranks = [json.loads((run_dir / f"rates-{rank}.json").read_text()) for rank in (0, 1)]
+    assert ranks[0] == ranks[1] and ranks[0]["step"] == 10
+    # update k runs at the budget share k / 10 (from update 2 on: the first has no clock yet)
+    assert ranks[0]["rates"][1:] == pytest.approx([0.002 * (1 - k / 10) for k in range(2, 11)])
 
 
 def test_more_ranks_than_gpus_is_one_clear_error(monkeypatch):
