@@ -221,10 +221,18 @@ def _load_hf(corpus: CorpusConfig, key: str):
             raise UserInputError(f"{key}.split: not set; expected the dataset's split for {key}, e.g. validation")
         return corpus.split or "train"
 
+    def one_split(loaded, where: str):
+        """The configured split of a dataset with several, or a one-line error listing those it has."""
+        if not isinstance(loaded, datasets.DatasetDict):
+            return loaded
+        if split() not in loaded:
+            raise UserInputError(f"{key}.split: {split()!r} is not a split of {where}; it has "
+                                 f"{', '.join(map(repr, loaded))}")  # fmt: skip
+        return loaded[split()]
+
     try:
         if corpus.path and Path(corpus.path).is_dir():
-            loaded = datasets.load_from_disk(corpus.path)
-            return loaded[split()] if isinstance(loaded, datasets.DatasetDict) else loaded
+            return one_split(datasets.load_from_disk(corpus.path), corpus.path)
         if corpus.path:
             builder = _DATA_FILE_BUILDERS.get(Path(corpus.path).suffix)
             if builder is None:
@@ -233,7 +241,8 @@ def _load_hf(corpus: CorpusConfig, key: str):
                     f"{'/'.join(_DATA_FILE_BUILDERS)} file"
                 )
             return datasets.load_dataset(builder, data_files=corpus.path, split="train")
-        return datasets.load_dataset(corpus.name, corpus.subset, split=split())
+        name = corpus.name + (f" ({corpus.subset})" if corpus.subset else "")
+        return one_split(datasets.load_dataset(corpus.name, corpus.subset), name)  # every split is prepared anyway
     except UserInputError:
         raise
     except Exception as exc:  # datasets raises many types (network, missing config, bad split)

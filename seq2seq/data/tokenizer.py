@@ -139,12 +139,14 @@ def load_or_train_tokenizer(
     *,
     seed: int,
     data_identity: dict | None = None,
+    data_name: str = "the training data",
 ) -> Tokenizer:
     """Reuse the tokenizer saved in `directory` if it was trained with these settings on this data
     (`data_identity`, recorded in TRAINED_ON next to it); else train one on `pairs` and save it there.
 
     `pairs` is consumed only when training, so a lazy stream of a large corpus costs nothing on reuse.
-    A tokenizer saved before this record existed is reused as it is.
+    A tokenizer saved before this record existed is reused as it is. `data_name` (the config key and
+    files) names the data in an error.
     """
     directory = Path(directory)
     trained_on = {"settings": dataclasses.asdict(config), "seed": seed, "data": data_identity}
@@ -157,7 +159,7 @@ def load_or_train_tokenizer(
         log.warning(
             "%s was trained on other %s; training a new tokenizer for this run", directory, " and ".join(changed)
         )
-    tokenizer = train_tokenizer(config, pairs, seed=seed)
+    tokenizer = train_tokenizer(config, pairs, seed=seed, data_name=data_name)
     tokenizer.save(directory)
     write_text_atomic(directory / TRAINED_ON, json.dumps(trained_on, indent=1) + "\n")
     log.info("trained tokenizer: %d source / %d target pieces", tokenizer.src_vocab_size, tokenizer.tgt_vocab_size)
@@ -172,9 +174,14 @@ def _read_trained_on(directory: Path) -> dict | None:
     return recorded if isinstance(recorded, dict) else None
 
 
-def train_tokenizer(config: TokenizerConfig, pairs: Iterable[tuple[str, str]], *, seed: int = 1) -> Tokenizer:
+def train_tokenizer(
+    config: TokenizerConfig, pairs: Iterable[tuple[str, str]], *, seed: int = 1, data_name: str = "the training data"
+) -> Tokenizer:
     """Train SentencePiece on at most `sample_sentences` random training pairs (one pass over the data)."""
     sample = _reservoir(pairs, config.sample_sentences, seed)
+    if not sample:
+        raise UserInputError(f"{data_name}: no sentence pair with text on both sides (empty files, or every line "
+                             "blank on one side); expected parallel text to learn a vocabulary from")  # fmt: skip
     src, tgt = [s for s, _ in sample], [t for _, t in sample]
     if config.joint:
         return Tokenizer(_train_model(config, src + tgt))
@@ -182,8 +189,6 @@ def train_tokenizer(config: TokenizerConfig, pairs: Iterable[tuple[str, str]], *
 
 
 def _train_model(config: TokenizerConfig, sentences: list[str]) -> bytes:
-    if not sentences:
-        raise UserInputError("tokenizer: the training data has no sentences to learn a vocabulary from")
     proto = io.BytesIO()
     try:
         _train_sentencepiece(config, sentences, proto)

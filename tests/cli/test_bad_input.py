@@ -76,7 +76,7 @@ def _tsv_with_two_tabs(world: Paths) -> Path:
     return _config_with(world, "tsv", lambda raw: raw["data"].update(train={"format": "tsv", "path": str(path)}))
 
 
-def _hf_valid_without_split(world: Paths) -> Path:
+def _hf_valid(world: Paths, split: str | None = None) -> Path:
     import datasets
 
     folder = world.root / "hf_dataset"
@@ -84,7 +84,8 @@ def _hf_valid_without_split(world: Paths) -> Path:
         rows = {"translation": [{"en": "a cat", "xx": "un gato"}, {"en": "a dog", "xx": "un perro"}]}
         datasets.DatasetDict({"train": datasets.Dataset.from_dict(rows), "validation": datasets.Dataset.from_dict(rows)}
                              ).save_to_disk(str(folder))  # fmt: skip
-    return _config_with(world, "hf", lambda raw: raw["data"].update(valid={"format": "hf", "path": str(folder)}))
+    valid = {"format": "hf", "path": str(folder), **({"split": split} if split else {})}
+    return _config_with(world, f"hf-{split}", lambda raw: raw["data"].update(valid=valid))
 
 
 CASES = {
@@ -163,9 +164,18 @@ CASES = {
                                        lambda w: ["--set train.lr=[1", "not valid YAML"]),
     "train tsv line with two tabs": Case(lambda w: ["train", _tsv_with_two_tabs(w), "--run-dir", w.root / "r-tsv"],
                                          lambda w: [f"{w.root / 'two_tabs.tsv'}:2", "one tab", "found 2 tabs"]),
-    "train hf valid without split": Case(lambda w: ["train", _hf_valid_without_split(w), "--run-dir", w.root / "r-hf"],
+    "train hf valid without split": Case(lambda w: ["train", _hf_valid(w), "--run-dir", w.root / "r-hf"],
                                          lambda w: ["data.valid.split", "not set", "validation"],
                                          not_created=lambda w: [w.root / "r-hf" / "tokenizer"]),
+    "train hf valid with a split it lacks": Case(
+        lambda w: ["train", _hf_valid(w, "dev"), "--run-dir", w.root / "r-hf-dev"],
+        lambda w: ["data.valid.split: 'dev' is not a split of", "it has 'train', 'validation'"],
+        not_created=lambda w: [w.root / "r-hf-dev" / "tokenizer"]),
+    "train on empty training files": Case(
+        lambda w: ["train", w.config, "--set", f"data.train.src={w.empty}", "--set", f"data.train.tgt={w.empty}",
+                   "--run-dir", w.root / "r-empty"],
+        lambda w: [f"data.train ({w.empty}, {w.empty}): no sentence pair with text on both sides"],
+        not_created=lambda w: [w.root / "r-empty" / "checkpoints"]),
     "train --resume with a changed model": Case(
         lambda w: ["train", w.config, "--resume", w.run, "--set", "model.d_model=64"],
         lambda w: [f"--resume {w.run}", "model.d_model", "96 in the run, 64 given"]),

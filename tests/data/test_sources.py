@@ -99,3 +99,18 @@ def test_huggingface_local_translation_and_flat_columns(tmp_path):
     assert "the dataset has columns ['source', 'target']; expected 'translation' or 'src' and 'tgt'" in message
     with pytest.raises(UserInputError, match=r"languages \['de', 'en'\], not \['fr'\]"):
         read_corpus(CorpusConfig(format="hf", path=str(tmp_path / "nested")), src_lang="fr", tgt_lang="en", key="k")
+
+
+def test_a_missing_split_is_named_with_the_splits_the_dataset_has(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    one = datasets.Dataset.from_dict({"translation": [{"de": "hallo", "en": "hello"}]})
+    datasets.DatasetDict({"train": one, "test": one}).save_to_disk(str(tmp_path / "splits"))
+    corpus = CorpusConfig(format="hf", path=str(tmp_path / "splits"), split="validation")
+    with pytest.raises(UserInputError) as info:
+        read_corpus(corpus, src_lang="de", tgt_lang="en", key="data.valid")
+    assert (
+        str(info.value)
+        == f"data.valid.split: 'validation' is not a split of {tmp_path / 'splits'}; it has 'train', 'test'"
+    )
+    corpus = CorpusConfig(format="hf", path=str(tmp_path / "splits"), split="test")
+    assert read_corpus(corpus, src_lang="de", tgt_lang="en", key="data.valid").src == ["hallo"]
