@@ -17,7 +17,7 @@ from typing import Any, Literal
 import yaml
 
 from seq2seq.errors import UserInputError
-from seq2seq.schema import build_dataclass, collect_problems
+from seq2seq.schema import Bound, build_dataclass, collect_problems
 
 
 @dataclass(frozen=True)
@@ -200,11 +200,27 @@ class TrainConfig:
         return found
 
 
-# Upper bounds on the decode numbers that set the amount of work, for every front door (config
-# files, --set, the Python API): they catch a slip such as beam 5000 before a search starts. The
-# server takes tighter ones (serve.Limits).
-DECODE_MAXIMA = {"beam": 256, "nbest": 256, "patience": 8.0, "max_len_a": 10.0, "max_len_b": 4096,
-                 "length_penalty": 10.0, "no_repeat_ngram": 32, "batch_tokens": 1_000_000}  # fmt: skip
+SEED_LIMIT = 2**32  # sampling seeds are 32-bit, as NumPy's and CTranslate2's generators take them
+
+# The range of each decode number, for every front door (config files, --set, the Python API, the
+# server's request schema). The upper ends of the numbers that set the amount of work catch a slip
+# such as beam 5000 before a search starts; the server takes tighter ones (serve.Limits).
+DECODE_BOUNDS = {
+    "beam": Bound(1, 256),
+    "nbest": Bound(1, 256),
+    "patience": Bound(1.0, 8.0),  # fewer than `beam` finished could leave an n-best list short
+    "max_len_a": Bound(0.0, 10.0),
+    "max_len_b": Bound(0, 4096),
+    "min_len": Bound(0),
+    "length_penalty": Bound(0.0, 10.0),
+    "no_repeat_ngram": Bound(0, 32),
+    "batch_tokens": Bound(1, 1_000_000),
+    "temperature": Bound(0.001, 100.0),  # far below 0.01 a sample is the greedy output; 0 would divide by zero
+    "top_k": Bound(0),
+    "top_p": Bound(0.0, 1.0, low_open=True),
+    "epsilon": Bound(0.0, 1.0, high_open=True),
+    "seed": Bound(0, SEED_LIMIT, high_open=True),
+}
 
 
 @dataclass(frozen=True)
@@ -224,7 +240,7 @@ class DecodeConfig:
     top_k: int = 0  # sampling: only the k most likely tokens (0: all)
     top_p: float = 1.0  # sampling: only the most likely tokens whose probabilities sum to top_p (nucleus)
     epsilon: float = 0.0  # sampling: only tokens of probability > epsilon (the most likely one always)
-    seed: int = 1  # sampling: the same seed, lines and settings draw the same samples
+    seed: int = 1  # sampling: a line draws the same samples for the same seed, index and settings (0 <= seed < 2^32)
 
     def normalized_score(self, log_prob: float, length: int) -> float:
         """How finished hypotheses are ranked: `log_prob` of `length` output tokens (EOS included)."""
@@ -243,28 +259,13 @@ class DecodeConfig:
         return max(1, math.floor(self.beam * self.patience + 0.5))
 
     def problems(self) -> list[tuple[str, str]]:
-        found = []
-        for key in ("beam", "nbest", "batch_tokens"):
-            if getattr(self, key) < 1:
-                found.append((key, "expected an integer >= 1"))
-        if not self.patience >= 1.0:  # fewer than `beam` finished could leave an nbest list short
-            found.append(("patience", f"expected a number >= 1, got {self.patience}"))
+        hints = typing.get_type_hints(DecodeConfig)
+        found = [(key, problem) for key, bound in DECODE_BOUNDS.items()
+                 if (problem := bound.problem(getattr(self, key), integer=hints[key] is int))]  # fmt: skip
+        if found:
+            return found
         if self.nbest > self.beam and not self.sample:  # samples are drawn, not kept from a beam
             found.append(("nbest", f"expected at most beam ({self.beam}), got {self.nbest}"))
-        if not 0.0 < self.temperature <= 100.0:
-            found.append(("temperature", f"expected a number in (0, 100], got {self.temperature}"))
-        if not 0.0 < self.top_p <= 1.0:
-            found.append(("top_p", f"expected a number in (0, 1], got {self.top_p}"))
-        if not 0.0 <= self.epsilon < 1.0:
-            found.append(("epsilon", f"expected a number in [0, 1), got {self.epsilon}"))
-        if self.top_k < 0:
-            found.append(("top_k", f"expected an integer >= 0 (0: no limit), got {self.top_k}"))
-        for key in ("max_len_a", "max_len_b", "min_len", "length_penalty", "no_repeat_ngram"):
-            if getattr(self, key) < 0:
-                found.append((key, "expected a number >= 0"))
-        for key, most in DECODE_MAXIMA.items():
-            if getattr(self, key) > most:
-                found.append((key, f"expected at most {most}, got {getattr(self, key)}"))
         if self.min_len > self.shortest_limit:  # an EOS could never be allowed in time
             found.append(("min_len", f"expected at most the length limit of a one-token input, max_len_a x 2 + "
                                      f"max_len_b = {self.shortest_limit}, got {self.min_len}"))  # fmt: skip
@@ -273,7 +274,15 @@ class DecodeConfig:
     @property
     def shortest_limit(self) -> int:
         """The output length limit of the shortest input (one piece and its EOS), as search computes it."""
-        return max(1, math.floor(self.max_len_a * 2 + self.max_len_b))
+        return self.output_limit(2)
+
+    def output_limit(self, source_length: int, *, prefix: int = 0, constraint_tokens: int = 0) -> int:
+        """The most tokens a search may produce for a source of `source_length` pieces (its EOS
+        included): a * length + b, at least 1; with a forced target prefix of `prefix` tokens, at
+        least the prefix and one token more; plus the tokens of its constraints. Both engines and the
+        server's work budget apply it (search.max_output_lengths is its batched form)."""
+        limit = max(1, math.floor(self.max_len_a * source_length + self.max_len_b))
+        return guidance_limit(limit, prefix) + constraint_tokens
 
 
 def guidance_limit(limit: int, prefix_length: int) -> int:

@@ -12,7 +12,48 @@ import math
 import re
 import types
 import typing
+from dataclasses import dataclass
 from typing import Any, Literal
+
+
+@dataclass(frozen=True)
+class Bound:
+    """The range a number must lie in, declared once: config validation checks it and the server's
+    request schema publishes it (`low_open` / `high_open`: the end itself is excluded)."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+
+    def problem(self, value: float, *, integer: bool) -> str:
+        """ "" when `value` lies in range, else what was expected."""
+        below = self.low is not None and (value <= self.low if self.low_open else value < self.low)
+        above = self.high is not None and (value >= self.high if self.high_open else value > self.high)
+        if not (below or above):
+            return ""
+        kind = "an integer" if integer else "a number"
+        if self.high is None:
+            return f"expected {kind} {'>' if self.low_open else '>='} {_number(self.low)}, got {value}"
+        if self.low is None:
+            return f"expected {kind} {'<' if self.high_open else '<='} {_number(self.high)}, got {value}"
+        interval = (
+            f"{'(' if self.low_open else '['}{_number(self.low)}, {_number(self.high)}{')' if self.high_open else ']'}"
+        )
+        return f"expected {kind} in {interval}, got {value}"
+
+    def json_schema(self) -> dict[str, float]:
+        """The bound as JSON Schema keywords."""
+        found = {}
+        if self.low is not None:
+            found["exclusiveMinimum" if self.low_open else "minimum"] = self.low
+        if self.high is not None:
+            found["exclusiveMaximum" if self.high_open else "maximum"] = self.high
+        return found
+
+
+def _number(value: float) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def collect_problems(obj: Any, prefix: str, errors: list[tuple[str, str]]) -> None:

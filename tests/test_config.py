@@ -155,10 +155,12 @@ def test_a_set_value_that_is_not_yaml_and_a_directory_as_config_are_one_line(tmp
 @pytest.mark.parametrize(
     ("key", "value", "expected"),
     [
-        ("beam", 5000, "decode.beam: expected at most 256, got 5000"),
-        ("patience", 0.5, "decode.patience: expected a number >= 1"),
-        ("max_len_b", 10**6, "decode.max_len_b: expected at most 4096"),
-        ("no_repeat_ngram", 100, "decode.no_repeat_ngram: expected at most 32"),
+        ("beam", 5000, "decode.beam: expected an integer in [1, 256], got 5000"),
+        ("patience", 0.5, "decode.patience: expected a number in [1, 8], got 0.5"),
+        ("max_len_b", 10**6, "decode.max_len_b: expected an integer in [0, 4096]"),
+        ("no_repeat_ngram", 100, "decode.no_repeat_ngram: expected an integer in [0, 32]"),
+        ("seed", 2**32, "decode.seed: expected an integer in [0, 4294967296), got 4294967296"),
+        ("temperature", 0.0, "decode.temperature: expected a number in [0.001, 100], got 0.0"),
         ("min_len", 30, "decode.min_len: expected at most the length limit of a one-token input, "
                         "max_len_a x 2 + max_len_b = 12, got 30"),
     ],
