@@ -98,3 +98,16 @@ def trained_checkpoint(tmp_path_factory, demo_pairs) -> tuple[Path, Path]:
         write_pairs(data, split, pairs)
     make_trainer(root, data, max_steps=60, valid_every=60, save_every=60, log_every=60).run()
     return root / "run" / "checkpoints" / "last.pt", data
+
+
+@pytest.fixture(scope="session")
+def learned_checkpoint(tmp_path_factory, demo_pairs) -> tuple[Path, Path]:
+    """(last.pt of the tiny config after 300 steps, its data folder): a model that translates (valid
+    BLEU above 30), for the checks a half-trained model cannot make, such as a BLEU drop."""
+    root = tmp_path_factory.mktemp("learned")
+    data = root / "data"
+    data.mkdir()
+    for split, pairs in demo_pairs.items():
+        write_pairs(data, split, pairs)
+    make_trainer(root, data, max_steps=300, valid_every=300, save_every=300, log_every=300).run()
+    return root / "run" / "checkpoints" / "last.pt", data

@@ -374,6 +374,16 @@ def export(
     max_bleu_drop: Annotated[
         float, typer.Option("--max-bleu-drop", min=0.0, help="Quantized exports: the BLEU the gate lets go.")
     ] = 1.0,
+    max_positions: Annotated[
+        Optional[int],  # noqa: UP045
+        typer.Option(
+            "--max-positions",
+            min=1,
+            show_default=False,
+            help="The longest source and output (pieces) the export places; longer lines are refused "
+            "[default: the longest training sentence's allowance, at least 1024].",
+        ),  # fmt: skip
+    ] = None,
 ) -> None:
     """Export a checkpoint as a CTranslate2 model, through a parity gate that decodes with both.
 
@@ -392,7 +402,7 @@ def export(
     try:
         report = export_checkpoint(
             checkpoint, output, quantization=quantization, check_src=check_src, check_ref=check_ref,
-            check_lines=check_lines, max_bleu_drop=max_bleu_drop,
+            check_lines=check_lines, max_bleu_drop=max_bleu_drop, max_positions=max_positions,
         )  # fmt: skip
     except ExportFailed as failure:
         for line in str(failure).splitlines():
@@ -415,6 +425,17 @@ def serve(
     port: Annotated[int, typer.Option("--port", min=1, max=65535, help="Port to listen on.")] = 8000,
     max_lines: Annotated[int, typer.Option("--max-lines", min=1, help="Lines per request.")] = 64,
     max_chars: Annotated[int, typer.Option("--max-chars", min=1, help="Characters per line.")] = 2000,
+    max_tokens_per_line: Annotated[
+        int, typer.Option("--max-tokens-per-line", min=1, help="SentencePiece pieces per line, its end included.")
+    ] = 256,
+    max_work: Annotated[
+        int,
+        typer.Option(
+            "--max-work",
+            min=1,
+            help="A request's work: source pieces x beam (or samples) x length limit, over its lines.",
+        ),
+    ] = 2_000_000,  # fmt: skip
     batch_wait_ms: Annotated[
         float, typer.Option("--batch-wait-ms", min=0.0, help="How long to wait for requests to batch with.")
     ] = 5.0,
@@ -422,8 +443,20 @@ def serve(
         int, typer.Option("--max-queue", min=1, help="Requests open at once; more are answered 503.")
     ] = 256,
     timeout_s: Annotated[
-        float, typer.Option("--timeout", min=0.1, help="Seconds a request may wait for its translation (then 503).")
-    ] = 60.0,
+        float,
+        typer.Option(
+            "--timeout", min=0.1, help="Seconds a request may take, queued and translating (then 503; its work stops)."
+        ),
+    ] = 60.0,  # fmt: skip
+    api_key: Annotated[
+        Optional[str],  # noqa: UP045
+        typer.Option(
+            "--api-key",
+            envvar="SEQ2SEQ_API_KEY",
+            show_default=False,
+            help="Require 'Authorization: Bearer KEY' on every request (better set in SEQ2SEQ_API_KEY).",
+        ),
+    ] = None,  # fmt: skip
 ) -> None:
     """Serve a model over HTTP: POST /translate {"lines": [...]}, POST /score and GET /health.
 
@@ -431,6 +464,7 @@ def serve(
       seq2seq serve models/bible-int8 --port 8000
       seq2seq serve runs/bible/checkpoints/step_00009000.pt runs/bible/checkpoints/step_00010000.pt
       curl -s localhost:8000/translate -H 'content-type: application/json' -d '{"lines": ["the cat sleeps"], "beam": 5}'
+      SEQ2SEQ_API_KEY=s3cret seq2seq serve models/bible-int8 --host 0.0.0.0
     """
     from seq2seq.deploy.serve import Limits
     from seq2seq.deploy.serve import serve as serve_model
@@ -438,12 +472,15 @@ def serve(
     missing = [str(path) for path in model if not path.exists()]
     if missing:
         raise UserInputError(f"{', '.join(missing)}: no such checkpoint or exported model")
-    limits = Limits(max_lines=max_lines, max_chars=max_chars, batch_wait=batch_wait_ms / 1000, max_queue=max_queue,
+    if api_key is not None and not api_key.strip():
+        raise UserInputError("--api-key: empty; expected a secret that clients send as 'Authorization: Bearer KEY'")
+    limits = Limits(max_lines=max_lines, max_chars=max_chars, max_tokens_per_line=max_tokens_per_line,
+                    max_work=max_work, batch_wait=batch_wait_ms / 1000, max_queue=max_queue,
                     request_timeout=timeout_s)  # fmt: skip
     named = " + ".join(map(str, model))
     typer.echo(f"serving {named} on http://{host}:{port} (POST /translate, /score; GET /health); Ctrl-C stops",
                err=True)  # fmt: skip
-    serve_model(model, host=host, port=port, limits=limits)
+    serve_model(model, host=host, port=port, limits=limits, api_key=api_key)
 
 
 @app.command()

@@ -10,7 +10,9 @@ step and best validation BLEU, and the parity report.
 The parity gate decodes the check sentences with our PyTorch search and with the exported model,
 same settings: greedy outputs must be identical on >= 99% of sentences and beam BLEU within 0.2
 (float32), or BLEU may drop at most `max_bleu_drop` (quantized). The model is written into a
-temporary folder next to the output and renamed into place only when the gate passes.
+temporary folder next to the output and renamed into place only when the gate passes. A check
+sentence longer than the exported model's positions is refused before any of that, as the
+exported model would refuse it.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from seq2seq.errors import UserInputError
 from seq2seq.evaluation.evaluate import translate_and_score
 from seq2seq.evaluation.scoring import Scores
 from seq2seq.files import remove_stale_temporaries, temporary_path
+from seq2seq.inference.admission import ModelCapacity, Names, plan_translation
+from seq2seq.inference.ctranslate2_engine import position_table_size
 from seq2seq.inference.engine import EXPORT_METADATA
 from seq2seq.inference.translator import Translator
 from seq2seq.model.transformer import sinusoidal_positions
@@ -89,8 +93,11 @@ def export_checkpoint(
     check_ref: Path | None = None,
     check_lines: int = 500,
     max_bleu_drop: float = 1.0,
+    max_positions: int | None = None,
 ) -> ParityReport:
-    """Export, run the parity gate, and only then put the model at `output`. Raises ExportFailed."""
+    """Export, run the parity gate, and only then put the model at `output`. Raises ExportFailed.
+    `max_positions`: the longest source and output the exported model will place (default:
+    ctranslate2_engine.position_table_size); longer lines are refused by the exported model."""
     if quantization not in QUANTIZATIONS:
         raise UserInputError(f"--quantization {quantization}: expected one of {', '.join(QUANTIZATIONS)}")
     if output.exists():
@@ -99,12 +106,17 @@ def export_checkpoint(
         raise UserInputError(f"{output.parent}: no such directory for the exported model")
     checkpoint = Checkpoint.load(checkpoint_path)
     sources, references = _check_sentences(checkpoint, check_src, check_ref, check_lines)
-    spec = build_spec(checkpoint)
+    positions = max_positions or position_table_size(checkpoint.config)
+    tokenizer = checkpoint.tokenizer
+    where = check_src or "the validation split"  # a check sentence the export could not place: before any work
+    plan_translation(ModelCapacity(tokenizer.src_model, tokenizer.tgt_model, positions), sources,
+                     checkpoint.config.decode, names=Names(line=f"{where}:{{number}}"))  # fmt: skip
+    spec = build_spec(checkpoint, positions)
     remove_stale_temporaries(output.parent, output.name)  # a killed export's staging folder
     staging = temporary_path(output)
     try:
         _SpecConverter(spec).convert(str(staging), quantization=quantization, force=True)
-        _write_tokenizer_and_metadata(staging, checkpoint, quantization)
+        _write_tokenizer_and_metadata(staging, checkpoint, quantization, positions)
         report = parity(Translator.load(checkpoint_path, device="cpu"), Translator.load(staging), sources, references,
                         quantization=quantization, max_bleu_drop=max_bleu_drop)  # fmt: skip
         if report.failures:
@@ -142,8 +154,9 @@ def parity(
     )
 
 
-def build_spec(checkpoint: Checkpoint) -> transformer_spec.TransformerSpec:
-    """The checkpoint's model as a CTranslate2 Transformer specification, weights set."""
+def build_spec(checkpoint: Checkpoint, max_positions: int) -> transformer_spec.TransformerSpec:
+    """The checkpoint's model as a CTranslate2 Transformer specification, weights set, with a table
+    of `max_positions` positions."""
     config = checkpoint.config.model
     spec = transformer_spec.TransformerSpec.from_config(
         (config.encoder_layers, config.decoder_layers),
@@ -152,7 +165,7 @@ def build_spec(checkpoint: Checkpoint) -> transformer_spec.TransformerSpec:
         activation=ACTIVATIONS[config.activation],
     )
     weights = {name: tensor.float().numpy() for name, tensor in checkpoint.model.items()}
-    positions = sinusoidal_positions(torch.arange(_max_positions(checkpoint)), config.d_model).numpy()
+    positions = sinusoidal_positions(torch.arange(max_positions), config.d_model).numpy()
     _set_stack_inputs(spec.encoder, weights["src_embed.weight"], positions)
     _set_stack_inputs(spec.decoder, weights["tgt_embed.weight"], positions)
     for index, layer in enumerate(spec.encoder.layer):
@@ -185,12 +198,6 @@ class _SpecConverter(Converter):
 
     def _load(self) -> transformer_spec.TransformerSpec:
         return self._spec
-
-
-def _max_positions(checkpoint: Checkpoint) -> int:
-    """Positions the table must cover: the longest training sentence and the longest output allowed for it."""
-    data, decode = checkpoint.config.data, checkpoint.config.decode
-    return max(1024, int(data.max_length * max(1.0, decode.max_len_a)) + decode.max_len_b + 2)
 
 
 def _set_stack_inputs(stack, embedding: np.ndarray, positions: np.ndarray) -> None:
@@ -243,7 +250,7 @@ def _check_sentences(checkpoint: Checkpoint, src: Path | None, ref: Path | None,
     return valid.src[:limit], valid.tgt[:limit]
 
 
-def _write_tokenizer_and_metadata(directory: Path, checkpoint: Checkpoint, quantization: str) -> None:
+def _write_tokenizer_and_metadata(directory: Path, checkpoint: Checkpoint, quantization: str, positions: int) -> None:
     protos = checkpoint.tokenizer.protos()
     files = {name: f"{name}.model" for name in protos}
     for name, proto in protos.items():
@@ -253,6 +260,7 @@ def _write_tokenizer_and_metadata(directory: Path, checkpoint: Checkpoint, quant
         "format_version": EXPORT_FORMAT_VERSION,
         "engine": "ctranslate2",
         "quantization": quantization,
+        "max_positions": positions,
         "src_lang": config.data.src_lang,
         "tgt_lang": config.data.tgt_lang,
         "tokenizer": {"src": files.get("joint", files.get("src")), "tgt": files.get("joint", files.get("tgt"))},

@@ -17,6 +17,7 @@ from seq2seq.data.sources import read_lines
 from seq2seq.errors import UserInputError
 from seq2seq.evaluation.scoring import ScoreOptions, Scores, read_text_file, score
 from seq2seq.files import check_writable, write_text_atomic
+from seq2seq.inference.admission import Names
 from seq2seq.inference.translator import Translator
 
 
@@ -69,6 +70,7 @@ def evaluate_files(
     reference_sets = _read_references(refs, len(sources), counted=str(src))
     translator = Translator.load(model, device=device)
     decode = translator.settings(decode_overrides)
+    translator.plan(sources, decode, names=Names(line=f"{src}:{{number}}"))  # a line it would refuse: before any work
     evaluation = translate_and_score(translator, sources, reference_sets, decode, options=options, progress=True)
     if hypotheses_path:
         write_text_atomic(hypotheses_path, "".join(h + "\n" for h in evaluation.hypotheses))

@@ -10,11 +10,18 @@ finished hypotheses that length^alpha ranks best and they are re-ranked here by 
 prefix goes in as CTranslate2's `target_prefix`, scored as our search scores it (the chosen tokens'
 log-probability over the whole output's length); terminology constraints and ensembles have no
 CTranslate2 form (its issues #739, #273) and are refused with one line.
+
+The exported model has a table of positions (`max_positions`, in its metadata): CTranslate2 would
+cut a longer source without a word and fail on a longer output, so admission.py refuses such a
+line before any work and CTranslate2's own truncation is switched off. Sampling draws from
+CTranslate2's generators, one per worker thread, which a call's seed does not reset (its issue
+#1757): samples are not reproducible, so an explicit seed is refused rather than promised.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,12 +29,28 @@ from pathlib import Path
 import ctranslate2
 import sentencepiece as spm
 
-from seq2seq.config import DecodeConfig, config_from_dict, guidance_limit
+from seq2seq.config import Config, DecodeConfig, config_from_dict, guidance_limit
 from seq2seq.data.sources import normalize
 from seq2seq.errors import UserInputError
-from seq2seq.inference.engine import EXPORT_METADATA, Engine, PairScore, Translation, read_export_metadata
+from seq2seq.inference.engine import (
+    EXPORT_METADATA,
+    DeadlinePassed,
+    Engine,
+    PairScore,
+    Translation,
+    read_export_metadata,
+)
 
 NEGLIGIBLE_EXPONENT = 1e-9  # length^1e-9 is 1 within 1e-8 relative: the order of raw log-probabilities
+SMALLEST_POSITION_TABLE = 1024  # CTranslate2's own default input limit
+TO_CHECKPOINT = "translate with the checkpoint (.pt) instead of the exported model"
+
+
+def position_table_size(config: Config) -> int:
+    """The positions an export holds by default: the longest training sentence and the longest output
+    allowed for it, and at least SMALLEST_POSITION_TABLE."""
+    data, decode = config.data, config.decode
+    return max(SMALLEST_POSITION_TABLE, int(data.max_length * max(1.0, decode.max_len_a)) + decode.max_len_b + 2)
 
 
 def load_exported(directory: Path, *, device: str | None = None) -> tuple[DecodeConfig, Engine]:
@@ -44,17 +67,25 @@ def load_exported(directory: Path, *, device: str | None = None) -> tuple[Decode
         tgt = spm.SentencePieceProcessor(model_file=str(directory / models["tgt"]))
     except (RuntimeError, OSError, KeyError, TypeError) as error:
         raise UserInputError(f"{directory}: not a loadable exported model ({type(error).__name__}: {error})") from None
-    return config.decode, CTranslate2Engine(runtime, src, tgt)
+    positions = metadata.get("max_positions") or position_table_size(config)  # an export from before the record
+    return config.decode, CTranslate2Engine(runtime, src, tgt, max_positions=positions)
 
 
 class CTranslate2Engine:
     """engine.Engine over an exported model: CTranslate2 with the model's SentencePiece models."""
 
     name = "ctranslate2"
+    unsupported = {
+        "constraints": f"terminology constraints: CTranslate2 has no constrained search; {TO_CHECKPOINT}",
+        "epsilon": f"decode.epsilon: CTranslate2 has no epsilon sampling; set decode.epsilon=0 or {TO_CHECKPOINT}",
+        "seed": "decode.seed: CTranslate2 cannot draw the same samples again from a seed (its generators belong "
+        f"to its threads); leave decode.seed unset for samples that differ each time, or {TO_CHECKPOINT}",
+    }
 
     def __init__(self, runtime: ctranslate2.Translator, src: spm.SentencePieceProcessor,
-                 tgt: spm.SentencePieceProcessor) -> None:  # fmt: skip
+                 tgt: spm.SentencePieceProcessor, *, max_positions: int) -> None:  # fmt: skip
         self.runtime, self.src, self.tgt = runtime, src, tgt
+        self.source_model, self.target_model, self.max_positions = src, tgt, max_positions
 
     def translate(
         self,
@@ -64,31 +95,38 @@ class CTranslate2Engine:
         *,
         prefixes: list[str] | None = None,
         constraints: list[list[str]] | None = None,
+        line_numbers: list[int] | None = None,
+        deadline: float | None = None,
     ) -> list[Translation]:
-        if decode.sample and decode.epsilon:
-            raise UserInputError("decode.epsilon: CTranslate2 has no epsilon sampling; set decode.epsilon=0 or "
-                                 "translate with the checkpoint")  # fmt: skip
+        """`line_numbers` is not used: CTranslate2's samples do not depend on a line's index (nor repeat)."""
         if constraints:  # Translator refuses them before they get here
             raise ValueError("CTranslate2 has no constrained search")
         texts = [normalize(line) for line in lines]
         rows = [index for index, text in enumerate(texts) if text]  # an empty line stays empty
         pieces = self.src.encode([texts[index] for index in rows], out_type=str)
         forced = self.tgt.encode([normalize(prefixes[index]) for index in rows], out_type=str) if prefixes else None
-        limits = [_length_limit(len(sentence) + 1, decode) for sentence in pieces]  # + the EOS CTranslate2 adds
+        limits = [decode.output_limit(len(sentence) + 1) for sentence in pieces]  # + the EOS CTranslate2 adds
         if forced is not None:
             limits = [guidance_limit(limit, len(prefix)) for limit, prefix in zip(limits, forced)]
-        outputs = _translate(self.runtime, pieces, limits, decode, forced)
+        outputs = _translate(self.runtime, pieces, limits, decode, forced, deadline=deadline)
         results = [Translation([]) for _ in lines]
         for position, output in enumerate(outputs):
             nbest = [(self.tgt.decode(tokens), score) for tokens, score in zip(output.hypotheses, output.scores)]
             results[rows[position]] = Translation(nbest)
         return results
 
-    def score(self, sources: list[str], targets: list[str], decode: DecodeConfig) -> list[PairScore]:
-        """CTranslate2's score_batch: the log-probability of each target piece and of the EOS after them."""
+    def score(
+        self, sources: list[str], targets: list[str], decode: DecodeConfig, *, deadline: float | None = None
+    ) -> list[PairScore]:
+        """CTranslate2's score_batch: the log-probability of each target piece and of the EOS after
+        them (`deadline`: checked between batches of decode.batch_tokens tokens)."""
         src = self.src.encode([normalize(line) for line in sources], out_type=str)
         tgt = self.tgt.encode([normalize(line) for line in targets], out_type=str)
-        results = self.runtime.score_batch(src, tgt, max_batch_size=decode.batch_tokens, batch_type="tokens")
+        results = []
+        for start, end in _spans([len(line) + 1 for line in src], decode.batch_tokens if deadline else None):
+            _check(deadline)
+            results += self.runtime.score_batch(src[start:end], tgt[start:end], max_batch_size=decode.batch_tokens,
+                                                batch_type="tokens", max_input_length=0)  # fmt: skip
         return [PairScore([*pieces, "</s>"], list(result.log_probs),
                           decode.normalized_score(sum(result.log_probs), len(result.log_probs)))
                 for pieces, result in zip(tgt, results)]  # fmt: skip
@@ -100,6 +138,8 @@ def _translate(
     limits: list[int],
     decode: DecodeConfig,
     prefixes: list[list[str]] | None = None,
+    *,
+    deadline: float | None = None,
 ) -> list:
     """CTranslate2's outputs in input order, each with `hypotheses` and `scores`, best first.
 
@@ -108,41 +148,73 @@ def _translate(
     / length^alpha. Its length_penalty 0 would switch to another stopping rule (stop when the best
     beam ends), so `none` runs with a negligible exponent instead. It takes one length limit per call,
     and a beam search run with a larger limit is not the same search (beams our search ends at the
-    limit live on), so sentences go in one call per limit, all submitted at once for the workers."""
+    limit live on), so sentences go in one call per limit, all submitted at once for the workers.
+
+    A submitted call cannot be taken back, so with a `deadline` the calls go in waves of one batch
+    per worker, and the deadline is checked between waves (and, where CTranslate2 offers it, greedy
+    and sampled decoding stop at the step that passes it)."""
     exponent = _ctranslate2_exponent(decode)
     draws = decode.nbest if decode.sample else 1  # a sampled line goes in nbest times, one draw each
     if decode.sample:
-        ctranslate2.set_random_seed(decode.seed)
         search = {"beam_size": 1, "num_hypotheses": 1, "sampling_topk": decode.top_k,
                   "sampling_topp": decode.top_p, "sampling_temperature": decode.temperature}  # fmt: skip
     else:
         search = {"beam_size": decode.beam, "patience": decode.patience, "num_hypotheses": decode.beam}
+    if deadline is not None and search["beam_size"] == 1:
+        search["callback"] = lambda step: time.monotonic() > deadline
     by_limit: dict[int, list[int]] = defaultdict(list)
     for position, limit in enumerate(limits):
         by_limit[limit].extend([position] * draws)
-    submitted = []
+    calls = []  # (limit, its members)
     for limit, members in by_limit.items():
-        prefix = {"target_prefix": [prefixes[position] or None for position in members]} if prefixes else {}
-        pending = engine.translate_batch(
-            [pieces[position] for position in members],
-            **prefix,
-            asynchronous=True,
-            **search,
-            return_scores=True,
-            max_decoding_length=limit,
-            min_decoding_length=decode.min_len,
-            length_penalty=exponent,
-            no_repeat_ngram_size=decode.no_repeat_ngram,
-            max_batch_size=decode.batch_tokens,
-            batch_type="tokens",
-        )
-        submitted.append((limit, members, pending))
+        spans = _spans([len(pieces[position]) + 1 for position in members], decode.batch_tokens if deadline else None)
+        calls += [(limit, members[start:end]) for start, end in spans]
     finished: list[list] = [[] for _ in pieces]  # per line: (tokens, score) of its hypotheses or draws
-    for _, members, pending in submitted:
-        for position, result in zip(members, pending):
-            output = result.result()
-            finished[position].extend(zip(output.hypotheses, output.scores))
+    wave = engine.num_translators if deadline is not None else len(calls)
+    for first in range(0, len(calls), max(wave, 1)):
+        _check(deadline)
+        submitted = []
+        for limit, members in calls[first : first + wave]:
+            prefix = {"target_prefix": [prefixes[position] or None for position in members]} if prefixes else {}
+            pending = engine.translate_batch(
+                [pieces[position] for position in members],
+                **prefix,
+                asynchronous=True,
+                **search,
+                return_scores=True,
+                max_input_length=0,  # admission.py refuses what the positions cannot hold: never cut silently
+                max_decoding_length=limit,
+                min_decoding_length=decode.min_len,
+                length_penalty=exponent,
+                no_repeat_ngram_size=decode.no_repeat_ngram,
+                max_batch_size=decode.batch_tokens,
+                batch_type="tokens",
+            )
+            submitted.append((members, pending))
+        for members, pending in submitted:
+            for position, result in zip(members, pending):
+                output = result.result()
+                finished[position].extend(zip(output.hypotheses, output.scores))
+    _check(deadline)  # a decoding stopped at the deadline returned part of its output
     return [_ranked(found, decode, limit, exponent) for found, limit in zip(finished, limits)]
+
+
+def _spans(lengths: list[int], budget: int | None) -> list[tuple[int, int]]:
+    """Consecutive (start, end) runs of items whose lengths sum to at most `budget` (one run without one)."""
+    if budget is None:
+        return [(0, len(lengths))] if lengths else []
+    spans, start, total = [], 0, 0
+    for index, length in enumerate(lengths):
+        if total and total + length > budget:
+            spans.append((start, index))
+            start, total = index, 0
+        total += length
+    return [*spans, (start, len(lengths))] if lengths else spans
+
+
+def _check(deadline: float | None) -> None:
+    if deadline is not None and time.monotonic() > deadline:
+        raise DeadlinePassed
 
 
 def _ctranslate2_exponent(decode: DecodeConfig) -> float:
@@ -178,8 +250,3 @@ def _threads(device: str) -> dict[str, int]:
     if device != "cpu":
         return {}
     return {"inter_threads": max(1, len(os.sched_getaffinity(0))), "intra_threads": 1}
-
-
-def _length_limit(source_length: int, decode: DecodeConfig) -> int:
-    """search.max_output_lengths for one sentence (source length with its EOS)."""
-    return max(1, int(decode.max_len_a * source_length + decode.max_len_b))

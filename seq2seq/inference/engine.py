@@ -1,20 +1,28 @@
 """What every inference engine shares: the `Engine` contract `Translator` depends on, the
-`Translation` it returns, and the metadata file that marks an exported model.
+`Translation` it returns, the features an engine may lack, and the metadata file that marks an
+exported model.
 
 An engine turns lines into n-best lists under given decode settings, and scores given pairs; it knows nothing of
 `Translator`, so adding one (a new runtime, a remote service) touches no other engine. Today's two:
 pytorch_engine.py (a checkpoint, our search) and ctranslate2_engine.py (an exported directory).
+An engine declares what it cannot do (`unsupported`) and how long a line its model can place
+(`max_positions`); the Translator and the server refuse such requests from those declarations
+before any work (admission.py), never inside the engine.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from seq2seq.config import DecodeConfig
 from seq2seq.errors import UserInputError
+
+if TYPE_CHECKING:
+    from sentencepiece import SentencePieceProcessor
 
 EXPORT_METADATA = "seq2seq_export.json"  # marks a directory written by `seq2seq export`
 
@@ -43,11 +51,35 @@ class PairScore:
         return sum(self.log_probs)
 
 
+# The optional features of a translation, and when a request uses each: an engine that lacks one
+# names it in `unsupported`, with the reason its users read.
+FEATURES = ("constraints", "epsilon", "seed")
+
+
+def features_used(decode: DecodeConfig, *, given: Collection[str] = (), constrained: bool = False) -> list[str]:
+    """The FEATURES a translation uses: terminology constraints; epsilon sampling; a sampling seed that
+    the caller set (`given`: the decode keys set for this call), i.e. a promise of reproducible samples."""
+    used = ["constraints"] if constrained else []
+    if decode.sample and decode.epsilon:
+        used.append("epsilon")
+    if decode.sample and "seed" in given:
+        used.append("seed")
+    return used
+
+
+class DeadlinePassed(Exception):
+    """The work was stopped at its deadline (the client stopped waiting): nothing was returned."""
+
+
 class Engine(Protocol):
     """Translates lines with complete decode settings; one Translation per line, in input order (an
     empty line gets an empty one)."""
 
     name: str  # "pytorch", "ctranslate2": reports and /health say which engine answered
+    unsupported: Mapping[str, str]  # feature (of FEATURES) -> why this engine refuses it
+    max_positions: int | None  # the longest source (EOS included) and output its model places; None: any
+    source_model: SentencePieceProcessor
+    target_model: SentencePieceProcessor
 
     def translate(
         self,
@@ -57,11 +89,17 @@ class Engine(Protocol):
         *,
         prefixes: list[str] | None = None,
         constraints: list[list[str]] | None = None,
+        line_numbers: list[int] | None = None,
+        deadline: float | None = None,
     ) -> list[Translation]:
         """`prefixes`: per line, target text the output must start with ("" for none); `constraints`:
-        per line, target phrases the output must contain (engines without constrained search refuse them)."""
+        per line, target phrases the output must contain; `line_numbers`: each line's index in its
+        file or request (default: its place in `lines`), from which, with the seed, its samples are
+        drawn; `deadline`: a time.monotonic() after which the work stops (DeadlinePassed)."""
 
-    def score(self, sources: list[str], targets: list[str], decode: DecodeConfig) -> list[PairScore]:
+    def score(
+        self, sources: list[str], targets: list[str], decode: DecodeConfig, *, deadline: float | None = None
+    ) -> list[PairScore]:
         """Each target's log-probabilities given its source (length normalisation from `decode`)."""
 
 

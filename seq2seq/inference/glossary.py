@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from seq2seq.data.sources import read_lines
@@ -21,20 +21,22 @@ from seq2seq.errors import UserInputError
 @dataclass(frozen=True)
 class Glossary:
     entries: list[tuple[str, str]]  # (source term, target term), in file order
+    line_numbers: list[int] = field(default_factory=list)  # each entry's line in its file, for messages
 
     @classmethod
     def load(cls, path: str | Path) -> Glossary:
         if Path(path).is_dir():
             raise UserInputError(f"{path}: is a directory; expected a glossary file (source term<TAB>target term)")
-        entries = []
+        entries, numbers = [], []
         for number, line in enumerate(read_lines(path, keep_tabs=True), 1):
             if not line.strip() or line.startswith("#"):
                 continue
-            fields = [field.strip() for field in line.split("\t")]
+            fields = [text.strip() for text in line.split("\t")]
             if len(fields) != 2 or not all(fields):
                 raise UserInputError(f"{path}:{number}: expected 'source term<TAB>target term', got {line[:60]!r}")
             entries.append((fields[0], fields[1]))
-        return cls(entries)
+            numbers.append(number)
+        return cls(entries, numbers)
 
     def constraints(self, line: str) -> list[str]:
         """The target terms of the entries whose source term `line` contains as whole words."""

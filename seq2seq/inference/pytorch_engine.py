@@ -3,6 +3,8 @@ batches, search, detokenize, restore order). translator.py puts the engine-indep
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -11,7 +13,7 @@ from seq2seq.data.batching import pad, token_batches
 from seq2seq.data.sources import normalize
 from seq2seq.data.special_tokens import BOS_ID, EOS_ID
 from seq2seq.data.tokenizer import Tokenizer
-from seq2seq.inference.engine import PairScore, Translation
+from seq2seq.inference.engine import DeadlinePassed, PairScore, Translation
 from seq2seq.inference.graphed_decoder import GraphedDecoder, graphs_apply
 from seq2seq.inference.search import Guidance, search
 from seq2seq.progress import progress_bar
@@ -21,9 +23,12 @@ class PyTorchEngine:
     """engine.Engine over a model in memory (a loaded checkpoint, or the model being trained)."""
 
     name = "pytorch"
+    unsupported: dict[str, str] = {}  # our search does everything a request may ask
+    max_positions = None  # sinusoidal positions: a line of any length is translated in full
 
     def __init__(self, model: torch.nn.Module, tokenizer: Tokenizer) -> None:
         self.model, self.tokenizer = model, tokenizer
+        self.source_model, self.target_model = tokenizer.src_model, tokenizer.tgt_model
 
     def translate(
         self,
@@ -33,12 +38,16 @@ class PyTorchEngine:
         *,
         prefixes: list[str] | None = None,
         constraints: list[list[str]] | None = None,
+        line_numbers: list[int] | None = None,
+        deadline: float | None = None,
     ) -> list[Translation]:
         return translate_lines(self.model, self.tokenizer, lines, decode, progress=progress, prefixes=prefixes,
-                               constraints=constraints)  # fmt: skip
+                               constraints=constraints, line_numbers=line_numbers, deadline=deadline)  # fmt: skip
 
     @torch.no_grad()
-    def score(self, sources: list[str], targets: list[str], decode: DecodeConfig) -> list[PairScore]:
+    def score(
+        self, sources: list[str], targets: list[str], decode: DecodeConfig, *, deadline: float | None = None
+    ) -> list[PairScore]:
         """Teacher forcing in token-budgeted batches: the log-probability of each target piece and of
         the EOS after them, as search computes them for its own outputs."""
         device = next(self.model.parameters()).device
@@ -47,6 +56,8 @@ class PyTorchEngine:
         lengths = np.array([len(s) + len(t) + 1 for s, t in zip(src_ids, tgt_ids)], dtype=np.int64)
         scores: list[PairScore] = [PairScore([], [], 0.0)] * len(sources)
         for indices in token_batches(lengths, max_tokens=decode.batch_tokens):
+            if deadline is not None and time.monotonic() > deadline:
+                raise DeadlinePassed
             src = pad([src_ids[i] for i in indices]).to(device)
             tgt_in = pad([[BOS_ID, *tgt_ids[i]] for i in indices]).to(device)
             gold = pad([[*tgt_ids[i], EOS_ID] for i in indices]).to(device)
@@ -67,9 +78,11 @@ def translate_lines(
     progress: bool = False,
     prefixes: list[str] | None = None,
     constraints: list[list[str]] | None = None,
+    line_numbers: list[int] | None = None,
+    deadline: float | None = None,
 ) -> list[Translation]:
     """Translate many lines at once; output order equals input order. `prefixes` and `constraints`
-    (engine.Engine.translate) guide the lines that have them.
+    guide the lines that have them; `line_numbers` and `deadline` as engine.Engine.translate.
 
     On a CUDA GPU our model decodes through CUDA graphs (graphed_decoder.py says why); the outputs
     are the same."""
@@ -82,12 +95,13 @@ def translate_lines(
     lengths = np.array([len(ids) for ids in encoded], dtype=np.int64)
     results: list[Translation] = [Translation([]) for _ in lines]  # an empty line stays empty
     batches = token_batches(lengths, max_tokens=config.batch_tokens)
-    generator = torch.Generator(device).manual_seed(config.seed) if config.sample else None
+    numbers = np.asarray(range(len(lines)) if line_numbers is None else line_numbers, dtype=np.int64)[non_empty]
     with progress_bar(total=len(lines), desc="translate", unit="sent", enabled=progress, leave=False) as bar:
         bar.update(len(lines) - len(non_empty))
         for indices in batches:
             src = pad([encoded[i] for i in indices]).to(device)
-            found = search(decoder, src, config, generator=generator, guidance=guidance.subset(indices.tolist()))
+            found = search(decoder, src, config, lines=numbers[indices].tolist(), deadline=deadline,
+                           guidance=guidance.subset(indices.tolist()))  # fmt: skip
             for index, hyps in zip(non_empty[indices].tolist(), found):
                 results[index] = Translation([(tokenizer.decode_tgt(h.tokens), h.score) for h in hyps])
             bar.update(len(indices))

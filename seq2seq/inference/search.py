@@ -17,15 +17,18 @@ constraints.py's dynamic beam allocation, for the sentences that have some.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from seq2seq.config import DecodeConfig, guidance_limit
 from seq2seq.data.special_tokens import BOS_ID, EOS_ID, PAD_ID, padding_mask
 from seq2seq.inference.constraints import ConstrainedBeams, Constraints, padded
+from seq2seq.inference.engine import DeadlinePassed
 
 
 class SearchCache(Protocol):
@@ -81,8 +84,15 @@ class PrefixCache:
         self.reorder(rows)
 
 
+def _check(deadline: float | None) -> None:
+    """Stop a search whose caller has stopped waiting (a server request past its timeout): checked
+    once per step, so the worker is free within one decoder step."""
+    if deadline is not None and time.monotonic() > deadline:
+        raise DeadlinePassed
+
+
 def max_output_lengths(src: Tensor, config: DecodeConfig) -> Tensor:
-    """(B,) the most tokens each sentence may produce: a * source_length + b."""
+    """(B,) the most tokens each sentence may produce: a * source_length + b (DecodeConfig.output_limit)."""
     src_lengths = (src != PAD_ID).sum(1)
     return (config.max_len_a * src_lengths.float() + config.max_len_b).floor().long().clamp(min=1)
 
@@ -220,11 +230,13 @@ def greedy_search(
     src: Tensor,
     config: DecodeConfig,
     *,
-    generator: torch.Generator | None = None,
+    draws: list[tuple[int, int]] | None = None,
     guidance: Guidance | None = None,
+    deadline: float | None = None,
 ) -> list[list[Hypothesis]]:
-    """The most likely next token at every step, for a batch of source sentences (B, S); with a
-    `generator`, a token drawn from sampling_candidates instead (sample_search).
+    """The most likely next token at every step, for a batch of source sentences (B, S); with
+    `draws`, each row's (line number, draw) key (sample_uniforms), a token drawn from
+    sampling_candidates instead (sample_search).
 
     The host reads from the device once per step (which rows ended), and twice more on a step
     where some did (their tokens and totals): on a GPU each read waits for the queued work."""
@@ -235,6 +247,7 @@ def greedy_search(
     max_lengths = guidance.limits(max_output_lengths(src, config))
     limits = max_lengths.tolist()  # per original sentence, on the host
     shortest_limit = min(limits)
+    uniforms = None if draws is None else sample_uniforms(config.seed, draws, max(limits) + 1).to(src.device)  # + EOS
     prefix_table = guidance.prefix_table(src.device)
     active = list(range(src.size(0)))  # original index of each row still decoding
     prefixes = torch.full((src.size(0), 1), BOS_ID, dtype=torch.long, device=src.device)
@@ -242,13 +255,16 @@ def greedy_search(
     results: list[list[Hypothesis]] = [[] for _ in range(src.size(0))]
     step = 0
     while active:
+        _check(deadline)
         logits = model.decode(prefixes[:, -1:], memory, src_mask, cache)[:, -1]
         log_probs = _next_log_probs(logits, step, max_lengths, config, prefixes, shortest_limit=shortest_limit,
                                     forced=_forced(prefix_table, step))  # fmt: skip
-        if generator is None:
+        if uniforms is None:
             best_log_prob, best = log_probs.max(-1)
         else:
-            best = draw_tokens(log_probs, config, generator)
+            best = draw_tokens(log_probs, config, uniforms[:, step])
+            if step >= shortest_limit:  # a row at its limit ends, whatever the draw (as argmax ends it)
+                best = best.masked_fill(max_lengths <= step, EOS_ID)
             best_log_prob = log_probs.gather(1, best.unsqueeze(1)).squeeze(1)
         totals += best_log_prob
         done = best == EOS_ID
@@ -264,6 +280,7 @@ def greedy_search(
             prefixes, totals, max_lengths = prefixes[keep], totals[keep], max_lengths[keep]
             memory, src_mask = memory.index_select(0, keep), src_mask.index_select(0, keep)
             prefix_table = None if prefix_table is None else prefix_table[keep]
+            uniforms = None if uniforms is None else uniforms[keep]
             cache.select(keep, keep)
             best = best[keep]
         prefixes = torch.cat([prefixes, best.unsqueeze(1)], dim=1)
@@ -272,7 +289,12 @@ def greedy_search(
 
 @torch.no_grad()
 def beam_search(
-    model: Decoder, src: Tensor, config: DecodeConfig, *, guidance: Guidance | None = None
+    model: Decoder,
+    src: Tensor,
+    config: DecodeConfig,
+    *,
+    guidance: Guidance | None = None,
+    deadline: float | None = None,
 ) -> list[list[Hypothesis]]:
     """Batched beam search; each sentence keeps its `nbest` best finished hypotheses, best first.
 
@@ -298,6 +320,7 @@ def beam_search(
     finished: list[list[Hypothesis]] = [[] for _ in range(batch)]
     step = 0
     while active:
+        _check(deadline)
         logits = model.decode(prefixes[:, -1:], memory, src_mask, cache)[:, -1]
         row_max = max_lengths.repeat_interleave(beam)
         log_probs = _next_log_probs(logits, step, row_max, config, prefixes, shortest_limit=shortest_limit,
@@ -390,7 +413,11 @@ def sampling_candidates(log_probs: Tensor, config: DecodeConfig) -> tuple[Tensor
     from them costs a fraction of a draw over the whole vocabulary (a top-p nucleus without top-k is
     looked for among the 64 most likely tokens, then 4x as many, until it fits: on a GPU that check
     reads the device once per step)."""
-    scaled = log_probs if config.temperature == 1.0 else log_probs / config.temperature
+    # shifted so that the most likely token is at 0 before the division: a low temperature sends the
+    # others to -inf, never the best one to NaN
+    scaled = (
+        log_probs if config.temperature == 1.0 else (log_probs - log_probs.amax(-1, keepdim=True)) / config.temperature
+    )
     whole = scaled.logsumexp(-1, keepdim=True) if config.epsilon or not config.top_k else None  # log of the sum
     if config.top_k:
         values, ids = scaled.topk(min(config.top_k, scaled.size(-1)), dim=-1)  # most likely first
@@ -423,27 +450,51 @@ def _nucleus_candidates(scaled: Tensor, whole: Tensor, top_p: float) -> tuple[Te
     return values, ids
 
 
-def draw_tokens(log_probs: Tensor, config: DecodeConfig, generator: torch.Generator) -> Tensor:
+def sample_uniforms(seed: int, draws: list[tuple[int, int]], steps: int) -> Tensor:
+    """(N, steps) uniform numbers in [0, 1), one row per (line number, draw) key: row r comes from a
+    generator of its own, seeded from (seed, line, draw) by NumPy's SeedSequence (which makes the
+    streams of nearby keys independent). A line's samples thus depend on the seed, its index in its
+    file or request and the settings alone: never on the lines batched with it."""
+    table = torch.empty(len(draws), steps)
+    generator = torch.Generator()
+    for row, (line, draw) in enumerate(draws):
+        high, low = np.random.SeedSequence([seed, line, draw]).generate_state(2, np.uint32).tolist()
+        generator.manual_seed(high << 32 | low)
+        torch.rand(steps, generator=generator, out=table[row])
+    return table
+
+
+def draw_tokens(log_probs: Tensor, config: DecodeConfig, uniforms: Tensor) -> Tensor:
     """One token id per row (N,) drawn from sampling_candidates by inverting the cumulative
-    distribution at a uniform point (a fraction of torch.multinomial's cost on a CPU). A point that
-    rounds to the end of the distribution takes its last token of non-zero probability."""
+    distribution at the row's uniform point (N,) in [0, 1) (a fraction of torch.multinomial's cost
+    on a CPU). A point that rounds to the end of the distribution takes its last token of non-zero
+    probability."""
     probs, ids = sampling_candidates(log_probs, config)
     cumulative = probs.cumsum(-1)
-    point = torch.rand((probs.size(0), 1), generator=generator, device=probs.device) * cumulative[:, -1:]
+    point = uniforms.unsqueeze(1).to(cumulative.dtype) * cumulative[:, -1:]
     last = cumulative.argmax(-1, keepdim=True)  # the first column that reaches the total
     column = torch.minimum(torch.searchsorted(cumulative, point, right=True), last)
     return (column if ids is None else ids.gather(1, column)).squeeze(1)
 
 
 def sample_search(
-    model: Decoder, src: Tensor, config: DecodeConfig, generator: torch.Generator, *, guidance: Guidance | None = None
+    model: Decoder,
+    src: Tensor,
+    config: DecodeConfig,
+    *,
+    lines: list[int] | None = None,
+    guidance: Guidance | None = None,
+    deadline: float | None = None,
 ) -> list[list[Hypothesis]]:
     """`nbest` outputs per source sentence, each drawn token by token from sampling_candidates
     (back-translation, diverse n-best lists); ranked like any n-best list by their normalised
-    log-probability under the model (not under the filtered distribution)."""
+    log-probability under the model (not under the filtered distribution). `lines`: each sentence's
+    number in its file or request (default: its row), from which with the seed its draws come."""
+    lines = list(range(src.size(0))) if lines is None else lines
     repeated = guidance.repeated(config.nbest) if guidance is not None else None
-    draws = greedy_search(model, src.repeat_interleave(config.nbest, dim=0), config, generator=generator,
-                          guidance=repeated)  # fmt: skip
+    keys = [(line, draw) for line in lines for draw in range(config.nbest)]
+    draws = greedy_search(model, src.repeat_interleave(config.nbest, dim=0), config, draws=keys, guidance=repeated,
+                          deadline=deadline)  # fmt: skip
     grouped = [sum(draws[i : i + config.nbest], []) for i in range(0, len(draws), config.nbest)]
     return [sorted(hypotheses, key=lambda h: h.score, reverse=True) for hypotheses in grouped]
 
@@ -453,16 +504,18 @@ def search(
     src: Tensor,
     config: DecodeConfig,
     *,
-    generator: torch.Generator | None = None,
+    lines: list[int] | None = None,
     guidance: Guidance | None = None,
+    deadline: float | None = None,
 ) -> list[list[Hypothesis]]:
-    """Sampling when asked for (with `generator`, seeded by the caller), else greedy when beam is 1
-    and no sentence has constraints, else beam search (constraints need its candidates, even at beam 1)."""
+    """Sampling when asked for (`lines`: sample_search's keys), else greedy when beam is 1 and no
+    sentence has constraints, else beam search (constraints need its candidates, even at beam 1).
+    Past `deadline` (a time.monotonic()), DeadlinePassed."""
     constrained = guidance is not None and any(map(any, guidance.constraints))
     if config.sample:
-        if generator is None or constrained:
-            raise ValueError("sampling needs a seeded torch.Generator and no constraints")
-        return sample_search(model, src, config, generator, guidance=guidance)
+        if constrained:
+            raise ValueError("terminology constraints cannot be sampled")
+        return sample_search(model, src, config, lines=lines, guidance=guidance, deadline=deadline)
     if config.beam == 1 and not constrained:
-        return greedy_search(model, src, config, guidance=guidance)
-    return beam_search(model, src, config, guidance=guidance)
+        return greedy_search(model, src, config, guidance=guidance, deadline=deadline)
+    return beam_search(model, src, config, guidance=guidance, deadline=deadline)

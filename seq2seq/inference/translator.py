@@ -14,6 +14,7 @@ imports neither torch nor ctranslate2: `load` brings in the engine the path need
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import itertools
 import sys
@@ -28,7 +29,8 @@ from seq2seq.config import DecodeConfig, decode_config_from, decode_config_with
 from seq2seq.data.sources import chunked, decode_lines, read_lines
 from seq2seq.errors import UserInputError
 from seq2seq.files import atomic_write, check_writable
-from seq2seq.inference.engine import EXPORT_METADATA, Engine, PairScore, Translation
+from seq2seq.inference.admission import LinePlan, Names, plan_scoring, plan_translation, unspellable
+from seq2seq.inference.engine import EXPORT_METADATA, Engine, PairScore, Translation, features_used
 from seq2seq.inference.glossary import Glossary, constraint_fields, merged_constraints
 from seq2seq.progress import progress_bar
 
@@ -49,6 +51,11 @@ class Translator:
     def engine(self) -> str:
         """Which engine translates: "pytorch" or "ctranslate2"."""
         return self._engine.name
+
+    @property
+    def max_positions(self) -> int | None:
+        """The longest source and output (in pieces) the model places; None: any."""
+        return self._engine.max_positions
 
     @classmethod
     def load(cls, path: str | Path | list[str | Path], *, device: str | None = None) -> Translator:
@@ -102,10 +109,45 @@ class Translator:
         return cls(decode, PyTorchEngine(model, tokenizer), bundle=bundle)
 
     def settings(self, overrides: Iterable[str] = (), **options: Any) -> DecodeConfig:
-        """The decode defaults with `decode.KEY=VALUE` overrides, then typed keyword options (beam=5, nbest=2, ...)."""
-        decode = decode_config_with(self.decode, list(overrides)) if overrides else self.decode
+        """The decode defaults with `decode.KEY=VALUE` overrides, then typed keyword options (beam=5,
+        nbest=2, ...); a setting this engine cannot honour (an explicit sampling seed on CTranslate2)
+        is refused here, before any work."""
+        overrides = list(overrides)
+        decode = decode_config_with(self.decode, overrides) if overrides else self.decode
         typed = {key: value for key, value in options.items() if value is not None}
-        return decode_config_from(decode, typed, origin="options") if typed else decode
+        decode = decode_config_from(decode, typed, origin="options") if typed else decode
+        given = {item.partition("=")[0].removeprefix("decode.") for item in overrides} | set(typed)
+        self.check_supported(decode, given=given)
+        return decode
+
+    def check_supported(self, decode: DecodeConfig, *, given: Iterable[str] = (), constrained: bool = False) -> None:
+        """Refuse, in one line, what these settings ask that the engine does not do (engine.FEATURES)."""
+        if constrained and decode.sample:
+            raise UserInputError("terminology constraints need beam search; they cannot be sampled (decode.sample)")
+        refused = [self._engine.unsupported[feature] for feature in features_used(decode, given=set(given),
+                   constrained=constrained) if feature in self._engine.unsupported]  # fmt: skip
+        if refused:
+            raise UserInputError("\n".join(refused))
+
+    def plan(
+        self,
+        lines: list[str],
+        decode: DecodeConfig,
+        *,
+        prefixes: list[str] | None = None,
+        constraints: list[list[str]] | None = None,
+        names: Names = Names(),
+    ) -> list[LinePlan]:
+        """Each line's pieces, length limit and hypotheses (admission.py), or UserInputError naming a
+        line the engine cannot translate whole, or guidance its vocabulary cannot spell."""
+        return plan_translation(self._engine, lines, decode, prefixes=prefixes, constraints=constraints, names=names)
+
+    def plan_scoring(self, sources: list[str], targets: list[str], *, names: Names = Names()) -> list[LinePlan]:
+        return plan_scoring(self._engine, sources, targets, names=names)
+
+    def unspellable(self, phrase: str) -> str:
+        """Why the target vocabulary cannot spell `phrase` ("" if it can)."""
+        return unspellable(self._engine, phrase)
 
     def translate(self, lines: list[str], **options: Any) -> list[str]:
         """The best translation of each line, e.g. translate(lines, beam=5); the guidance keywords of
@@ -136,19 +178,15 @@ class Translator:
         log-probabilities and their length-normalised sum, e.g. to filter noisy pairs or rerank."""
         return self.score_with(list(sources), list(targets), self.settings(**options))
 
-    def score_with(self, sources: list[str], targets: list[str], decode: DecodeConfig) -> list[PairScore]:
-        """Score with a complete decode config (overrides already applied)."""
+    def score_with(
+        self, sources: list[str], targets: list[str], decode: DecodeConfig, *, deadline: float | None = None
+    ) -> list[PairScore]:
+        """Score with a complete decode config (overrides already applied); a pair the model cannot
+        place whole is refused, never scored in part."""
         if len(sources) != len(targets):
             raise UserInputError(f"{len(sources)} sources but {len(targets)} targets; expected equal counts")
-        return self._engine.score(sources, targets, decode)
-
-    def check_constraints_apply(self, decode: DecodeConfig) -> None:
-        """Terminology constraints need our beam search: not sampling, not CTranslate2."""
-        if decode.sample:
-            raise UserInputError("terminology constraints need beam search; they cannot be sampled (decode.sample)")
-        if self.engine == "ctranslate2":
-            raise UserInputError("terminology constraints: CTranslate2 has no constrained search; translate with "
-                                 "the checkpoint (.pt) instead of the exported model")  # fmt: skip
+        self.plan_scoring(sources, targets)
+        return self._engine.score(sources, targets, decode, deadline=deadline)
 
     def translate_with(
         self,
@@ -158,16 +196,25 @@ class Translator:
         progress: bool = False,
         prefixes: list[str] | None = None,
         constraints: list[list[str]] | None = None,
+        line_numbers: list[int] | None = None,
+        deadline: float | None = None,
+        names: Names = Names(),
     ) -> list[Translation]:
-        """Translate with a complete decode config (overrides already applied) and per-line guidance."""
-        for name, given in (("prefixes", prefixes), ("constraints", constraints)):
+        """Translate with a complete decode config (overrides already applied) and per-line guidance.
+
+        `line_numbers`: each line's index in its file or request (default: its place in `lines`):
+        sampled lines draw from a generator of their own, derived from the seed and that index, so
+        their samples never depend on the other lines of a call. `deadline`: a time.monotonic() past
+        which the work stops (engine.DeadlinePassed). `names` name the lines in errors."""
+        for name, given in (("prefixes", prefixes), ("constraints", constraints), ("line_numbers", line_numbers)):
             if given is not None and len(given) != len(lines):
                 raise UserInputError(f"{name}: {len(given)} given for {len(lines)} lines; expected one per line")
         if constraints is not None and not any(constraints):
             constraints = None
-        if constraints is not None:
-            self.check_constraints_apply(decode)
-        return self._engine.translate(lines, decode, progress, prefixes=prefixes, constraints=constraints)
+        self.check_supported(decode, constrained=constraints is not None)
+        self.plan(lines, decode, prefixes=prefixes, constraints=constraints, names=names)
+        return self._engine.translate(lines, decode, progress, prefixes=prefixes, constraints=constraints,
+                                      line_numbers=line_numbers, deadline=deadline)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -186,6 +233,17 @@ class LineGuides:
                 problem = "is a directory" if path.is_dir() else "file not found"
                 raise UserInputError(f"{option} {path}: {problem}; expected a text file with one line per input line")
         return Glossary.load(self.glossary) if self.glossary is not None else None
+
+    def check_spelling(self, glossary: Glossary, translator: Translator) -> None:
+        """A glossary term the target vocabulary cannot spell: one line naming its line in the glossary."""
+        for (_, term), number in zip(glossary.entries, glossary.line_numbers):
+            if problem := translator.unspellable(term):
+                raise UserInputError(f"{self.glossary}:{number}: {problem}")
+
+    def names(self, source: str) -> Names:
+        """How errors name an input line and its guidance: by file and line."""
+        return Names(line=f"{source}:{{number}}", prefix=f"{self.prefixes}:{{number}}",
+                     constraint=f"{self.constraints}:{{number}}")  # fmt: skip
 
     def aligned(self, lines: Iterable[str]) -> Iterator[tuple[str, str, list[str]]]:
         """(line, prefix, constraints) for each input line; a guidance file of another length is one line."""
@@ -232,16 +290,25 @@ def translate_file(
     decode = translator.settings(decode_overrides)
     if attention_plot is not None and translator.bundle is None:
         raise UserInputError(f"--attention-plot: {model} is not one checkpoint; attention maps need one")
+    guided = guides != LineGuides()
     if guides.constraints is not None or glossary is not None:
-        translator.check_constraints_apply(decode)
+        translator.check_supported(decode, constrained=True)
+    if glossary is not None:
+        guides.check_spelling(glossary, translator)
+    names = guides.names(source)
+    if source != "-" and (guided or translator.max_positions is not None):  # a line it would refuse: before any work
+        for chunk, first in _numbered(chunked(guides.aligned(read_lines(source)), FILE_CHUNK_LINES)):
+            lines, prefixes, constraints = _guidance(chunk, glossary, guided=guided)
+            translator.plan(lines, decode, prefixes=prefixes, constraints=constraints,
+                            names=dataclasses.replace(names, first=first))  # fmt: skip
     lines_in = decode_lines(sys.stdin.buffer, "<stdin>") if source == "-" else read_lines(source)
     rows = guides.aligned(lines_in)
     chunks = ([row] for row in rows) if stream else chunked(rows, FILE_CHUNK_LINES)
     first_chunk = next(chunks, [])
     bar = progress_bar(desc="translate", unit="sent", enabled=not (source == "-" or stream))
-    guided = guides != LineGuides()
-    results = (result for chunk in itertools.chain([first_chunk], chunks)
-               for result in _translated(translator, chunk, decode, bar, glossary, guided=guided))  # fmt: skip
+    results = (result for chunk, first in _numbered(itertools.chain([first_chunk], chunks))
+               for result in _translated(translator, chunk, decode, bar, glossary, guided=guided,
+                                         names=dataclasses.replace(names, first=first)))  # fmt: skip
     with _output(output) as sink:
         for index, result in enumerate(results):
             if decode.nbest > 1:  # an empty input line keeps its row: the empty translation
@@ -271,6 +338,11 @@ def score_file(model: Path, *, src: Path, tgt: Path, output: str, decode_overrid
         check_writable(output)
     translator = Translator.load(model, device=device)
     decode = translator.settings(decode_overrides)
+    names = Names(line=f"{src} and {tgt}, line {{number}}")
+    if translator.max_positions is not None:  # a pair it would refuse: before any work
+        for chunk, first in _numbered(chunked(zip(read_lines(src), read_lines(tgt)), FILE_CHUNK_LINES)):
+            translator.plan_scoring([s for s, _ in chunk], [t for _, t in chunk],
+                                    names=dataclasses.replace(names, first=first))  # fmt: skip
     pairs = chunked(zip(read_lines(src), read_lines(tgt)), FILE_CHUNK_LINES)
     with (
         _output(output) as sink,
@@ -295,11 +367,28 @@ def _output(output: str) -> Iterator[TextIO]:
         text.detach()  # atomic_write closes the file
 
 
-def _translated(translator: Translator, rows: list[tuple[str, str, list[str]]], decode: DecodeConfig, bar: tqdm,
-                glossary: Glossary | None, *, guided: bool) -> Iterator[Translation]:  # fmt: skip
+def _numbered(chunks: Iterable[list]) -> Iterator[tuple[list, int]]:
+    """Each chunk with the index of its first line in the whole input."""
+    first = 0
+    for chunk in chunks:
+        yield chunk, first
+        first += len(chunk)
+
+
+def _guidance(rows: list[tuple[str, str, list[str]]], glossary: Glossary | None,
+              *, guided: bool) -> tuple[list[str], list[str] | None, list[list[str]] | None]:  # fmt: skip
+    """LineGuides.aligned rows as lines, prefixes and constraints (the glossary's terms merged in)."""
     lines = [line for line, _, _ in rows]
     prefixes = [prefix for _, prefix, _ in rows] if guided else None
     constraints = merged_constraints(lines, [own for _, _, own in rows], glossary) if guided else None
-    results = translator.translate_with(lines, decode, prefixes=prefixes, constraints=constraints)
+    return lines, prefixes, constraints
+
+
+def _translated(translator: Translator, rows: list[tuple[str, str, list[str]]], decode: DecodeConfig, bar: tqdm,
+                glossary: Glossary | None, *, guided: bool, names: Names) -> Iterator[Translation]:  # fmt: skip
+    lines, prefixes, constraints = _guidance(rows, glossary, guided=guided)
+    numbers = list(range(names.first, names.first + len(lines)))  # a sampled line draws by its line in the file
+    results = translator.translate_with(lines, decode, prefixes=prefixes, constraints=constraints,
+                                        line_numbers=numbers, names=names)  # fmt: skip
     bar.update(len(lines))
     return iter(results)

@@ -76,6 +76,22 @@ def _tsv_with_two_tabs(world: Paths) -> Path:
     return _config_with(world, "tsv", lambda raw: raw["data"].update(train={"format": "tsv", "path": str(path)}))
 
 
+UNSPELLABLE = "\ua66e\ua66e"  # ꙮꙮ: a script the tiny model's target vocabulary never saw
+
+
+def _guided(world: Paths, kind: str) -> list:
+    """translate two lines whose second constraint (or glossary term, or prefix) the target
+    vocabulary cannot spell; the output file must not appear."""
+    source = world.root / "two.en"
+    source.write_text("the cat sleeps\nthe dog runs\n")
+    guide = world.root / f"{kind}.txt"
+    if kind == "glossary":
+        guide.write_text("# term base\ncat\tgato\ndog\t" + UNSPELLABLE + "\n")
+    else:
+        guide.write_text("\n" + UNSPELLABLE + "\n")
+    return ["translate", "-c", world.checkpoint, "-i", source, f"--{kind}", guide, "-o", world.root / f"{kind}.out"]
+
+
 def _hf_valid(world: Paths, split: str | None = None) -> Path:
     import datasets
 
@@ -113,6 +129,16 @@ CASES = {
         lambda w: ["decode.length_penalty", "expected a finite number"], input="a cat\n"),
     "translate a train key": Case(lambda w: ["translate", "-c", w.checkpoint, "--set", "train.lr=1"],
                                   lambda w: ["--set train.lr=1", "only decode.* keys"], input="a cat\n"),
+    "translate --constraints the vocabulary cannot spell": Case(
+        lambda w: _guided(w, "constraints"),
+        lambda w: [f"{w.root / 'constraints.txt'}:2: 'ꙮꙮ' has characters the target vocabulary cannot spell"],
+        not_created=lambda w: [w.root / "constraints.out"]),
+    "translate --prefix the vocabulary cannot spell": Case(
+        lambda w: _guided(w, "prefix"), lambda w: [f"{w.root / 'prefix.txt'}:2: 'ꙮꙮ' has characters"],
+        not_created=lambda w: [w.root / "prefix.out"]),
+    "translate --glossary term the vocabulary cannot spell": Case(
+        lambda w: _guided(w, "glossary"), lambda w: [f"{w.root / 'glossary.txt'}:3: 'ꙮꙮ' has characters"],
+        not_created=lambda w: [w.root / "glossary.out"]),
     "translate --attention-plot is a file": Case(
         lambda w: ["translate", "-c", w.checkpoint, "--attention-plot", w.file],
         lambda w: [str(w.file), "is a file", "expected a folder"], input="a cat\n"),

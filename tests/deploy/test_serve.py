@@ -3,13 +3,16 @@ Python API's, concurrent requests are batched, bad requests get JSON errors, SIG
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+import types
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -103,22 +106,85 @@ def test_prefixes_constraints_and_scores_equal_the_python_api(server):
     assert unknown.status_code == 422 and "unknown field(s) lines" in unknown.json()["error"]
 
 
-def test_concurrent_requests_are_batched_and_each_gets_its_own_answer(server):
-    url, _, path, data = server
-    lines = (data / "test.en").read_text().splitlines()[:24]
-    expected = Translator.load(path, device="cpu").translate(lines, beam=1)
-    before = httpx.get(f"{url}/health").json()
+class Gate:
+    """An engine whose first call waits, once inside, until the test opens the gate: requests sent
+    meanwhile queue up behind it, so a test knows what the worker will batch (events, not sleeps)."""
 
-    def one(index: int) -> list[str]:
-        response = httpx.post(f"{url}/translate", json={"lines": [lines[index]], "beam": 1}, timeout=60)
-        return response.json()["translations"]
+    def __init__(self, engine) -> None:
+        self.engine, self.entered, self.opened, self.calls = engine, threading.Event(), threading.Event(), []
+        for name in ("name", "unsupported", "max_positions", "source_model", "target_model"):
+            setattr(self, name, getattr(engine, name))
 
-    with ThreadPoolExecutor(max_workers=12) as pool:
-        answers = list(pool.map(one, range(len(lines))))
-    assert [answer[0] for answer in answers] == expected
-    after = httpx.get(f"{url}/health").json()
-    requests, batches = after["requests"] - before["requests"], after["batches"] - before["batches"]
-    assert requests == len(lines) and batches < requests  # several requests shared a batch
+    def translate(self, lines, *args, **kwargs):
+        self.calls.append(list(lines))
+        if len(self.calls) == 1:
+            self.entered.set()
+            assert self.opened.wait(timeout=60)
+        return self.engine.translate(lines, *args, **kwargs)
+
+    def score(self, *args, **kwargs):
+        return self.engine.score(*args, **kwargs)
+
+
+def wait_until_waiting(client, count: int) -> None:
+    """Until `count` requests sit in the server's queue (its /health says so)."""
+    deadline = time.monotonic() + 60
+    while client.get("/health").json()["waiting"] < count:
+        assert time.monotonic() < deadline, "the requests never reached the queue"
+        time.sleep(0.01)
+
+
+def gated_client(translator: Translator, **limits):
+    from fastapi.testclient import TestClient
+
+    from seq2seq.deploy.serve import Limits, create_app
+
+    gate = Gate(translator._engine)
+    gated = Translator(translator.decode, gate)
+    return gate, TestClient(create_app(gated, model_name="gated", limits=Limits(**{"batch_wait": 1.0, **limits})))
+
+
+def test_requests_that_wait_together_are_batched_and_each_gets_its_own_answer(trained_checkpoint):
+    """While a first request holds the worker, 11 more queue up; the worker then takes them as one
+    batch, and each client gets its own line's translation, as the Python API gives it."""
+    path, data = trained_checkpoint
+    translator = Translator.load(path, device="cpu")
+    lines = (data / "test.en").read_text().splitlines()[:12]
+    gate, client = gated_client(translator)
+    with client, ThreadPoolExecutor(max_workers=12) as pool:
+        first = pool.submit(client.post, "/translate", json={"lines": [lines[0]], "beam": 1})
+        assert gate.entered.wait(timeout=60)
+        rest = [pool.submit(client.post, "/translate", json={"lines": [line], "beam": 1}) for line in lines[1:]]
+        wait_until_waiting(client, 11)
+        gate.opened.set()
+        answers = [future.result(timeout=60).json()["translations"][0] for future in [first, *rest]]
+        health = client.get("/health").json()
+    assert answers == translator.translate(lines, beam=1)
+    assert sorted(map(len, gate.calls)) == [1, 11] and (health["requests"], health["batches"]) == (12, 2)
+
+
+def test_a_lines_samples_are_the_same_alone_or_batched_with_another_clients(trained_checkpoint):
+    """The sampling contract at the server: a line draws by the seed and its index in its request,
+    so another client's request in the same batch changes nothing."""
+    path, data = trained_checkpoint
+    translator = Translator.load(path, device="cpu")
+    lines = (data / "test.en").read_text().splitlines()[:3]
+    sampled = {"sample": True, "nbest": 4, "seed": 11}
+    gate, client = gated_client(translator)
+    with client, ThreadPoolExecutor(max_workers=3) as pool:
+        blocker = pool.submit(client.post, "/translate", json={"lines": ["the dog"], "beam": 1})
+        assert gate.entered.wait(timeout=60)
+        mine = pool.submit(client.post, "/translate", json={"lines": lines[:1], **sampled})
+        theirs = pool.submit(client.post, "/translate", json={"lines": lines[1:], **sampled})
+        wait_until_waiting(client, 2)
+        gate.opened.set()
+        answers = [future.result(timeout=60).json() for future in (blocker, mine, theirs)]
+    assert sorted(gate.calls[1]) == sorted(lines)  # both clients' lines in one batch
+    for answer, own in zip(answers[1:], (lines[:1], lines[1:])):
+        alone = translator.translate_nbest(own, **sampled)  # each request's lines by themselves
+        assert [[option["text"] for option in options] for options in answer["nbest"]] == [
+            [text for text, _ in t.nbest] for t in alone
+        ]
 
 
 @pytest.mark.parametrize(
@@ -155,6 +221,25 @@ def test_concurrent_requests_are_batched_and_each_gets_its_own_answer(server):
         (json.dumps({"lines": ["a"], "constraints": [["t"] * 9]}).encode(), 413, "constraints[0]: 9 terms; at most 8"),
         (json.dumps({"lines": ["a"], "constraints": [["x" * 200, "y" * 200]]}).encode(), 413, "over 300 characters"),
         (json.dumps({"lines": ["a"], "constraints": [["t"]], "sample": True}).encode(), 422, "need beam search"),
+        # sampling seeds are 32-bit everywhere (NumPy's and CTranslate2's generators take no more)
+        (json.dumps({"lines": ["a"], "sample": True, "seed": -1}).encode(), 422, "seed: expected an integer in [0, "),
+        (json.dumps({"lines": ["a"], "seed": 2**32}).encode(), 422, "seed: expected an integer in [0, 4294967296)"),
+        # pieces are counted after SentencePiece: 300 characters may be 1,800 pieces
+        (json.dumps({"lines": ["\ufdfa" * 300]}).encode(), 413, "pieces with its end; at most 256 per line"),
+        # each field within its cap, their product not: 8 lines x beam 16 x a limit of 4 x source + 256
+        (
+            json.dumps(
+                {"lines": ["the cat sleeps on the mat " * 10] * 8, "beam": 16, "max_len_a": 4.0, "max_len_b": 256}
+            ).encode(),
+            413,
+            "the request's work, ",
+        ),  # fmt: skip
+        (
+            json.dumps({"lines": ["a", "b"], "prefixes": ["", "la \ua66e"]}).encode(),
+            422,
+            "prefixes[1]: 'la ꙮ' has characters the target vocabulary cannot spell",
+        ),  # fmt: skip
+        (json.dumps({"lines": ["a"], "constraints": [["\ua66e"]]}).encode(), 422, "constraints[0]: 'ꙮ' has characters"),
     ],
 )
 def test_bad_requests_get_a_json_error_and_the_server_lives_on(server, body, status, fragment):
@@ -179,71 +264,172 @@ def test_a_chunked_body_is_refused_once_it_passes_the_limit(server):
     assert process.poll() is None and httpx.get(f"{url}/health").status_code == 200
 
 
-def test_sigterm_stops_the_server_cleanly_after_the_request_in_flight(server):
-    url, process, _, data = server
-    lines = (data / "test.en").read_text().splitlines()[:8]
-    heavy = {"lines": lines, "beam": 16, "max_len_a": 4.0, "max_len_b": 256}  # seconds of work
-    before = httpx.get(f"{url}/health").json()["requests"]
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        in_flight = pool.submit(lambda: (httpx.post(f"{url}/translate", json=heavy, timeout=60), time.monotonic()))
-        deadline = time.time() + 30
-        while httpx.get(f"{url}/health").json()["requests"] == before:  # its translation has begun
-            assert time.time() < deadline and not in_flight.done()
-            time.sleep(0.01)
-        signalled = time.monotonic()
-        process.send_signal(signal.SIGTERM)
-        response, answered = in_flight.result()
-        assert response.status_code == 200 and answered > signalled  # in flight at SIGTERM, answered after
-    # uvicorn re-raises the signal once shut down, so the exit status says "ended by SIGTERM"
-    assert process.wait(timeout=20) in (0, -signal.SIGTERM)
-    assert "Traceback" not in process.stderr.read().decode()
+GATED_SERVE = """
+import pathlib, sys, time
+from seq2seq.inference import pytorch_engine
+real, gate = pytorch_engine.PyTorchEngine.translate, pathlib.Path(sys.argv[1])
+def gated(self, *args, **kwargs):  # tell the test the request is in translation, then wait for its word
+    (gate / "entered").touch()
+    while not (gate / "open").exists():
+        time.sleep(0.01)
+    return real(self, *args, **kwargs)
+pytorch_engine.PyTorchEngine.translate = gated
+from seq2seq.cli.main import main
+sys.argv = ["seq2seq", "serve", *sys.argv[2:]]
+main()
+"""
+
+
+def wait_for_file(path, process) -> None:
+    deadline = time.monotonic() + 90
+    while not path.exists():
+        assert process.poll() is None and time.monotonic() < deadline, process.stderr.read().decode()
+        time.sleep(0.01)
+
+
+def test_sigterm_stops_the_server_cleanly_after_the_request_in_flight(trained_checkpoint, tmp_path):
+    """The server's translation is held until SIGTERM has been sent (files as events between the
+    processes): the request in flight is still answered, then the server exits cleanly."""
+    path, data = trained_checkpoint
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-c", GATED_SERVE, str(tmp_path), str(path), "--port", str(port)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert process.poll() is None and time.monotonic() < deadline, process.stderr.read().decode()
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            time.sleep(0.1)
+        lines = (data / "test.en").read_text().splitlines()[:4]
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            in_flight = pool.submit(httpx.post, f"{url}/translate", json={"lines": lines, "beam": 2}, timeout=90)
+            wait_for_file(tmp_path / "entered", process)
+            process.send_signal(signal.SIGTERM)
+            (tmp_path / "open").touch()  # only now may the translation go on
+            response = in_flight.result()
+        assert response.status_code == 200
+        assert response.json()["translations"] == Translator.load(path, device="cpu").translate(lines, beam=2)
+        # uvicorn re-raises the signal once shut down, so the exit status says "ended by SIGTERM"
+        assert process.wait(timeout=60) in (0, -signal.SIGTERM)
+        assert "Traceback" not in process.stderr.read().decode()
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+class WordPieces:
+    """A stand-in for a SentencePiece model: one piece per word, the unknown piece for a word with a digit."""
+
+    def encode(self, texts, add_eos: bool = False, out_type=int):
+        def ids(text):
+            return [1 if any(c.isdigit() for c in word) else 4 for word in text.split()] + [3] * add_eos
+
+        return ids(texts) if isinstance(texts, str) else [ids(text) for text in texts]
+
+    def unk_id(self) -> int:
+        return 1
 
 
 class StalledEngine:
     """An engine that waits for `release` (a request in flight as long as a test wants) or fails."""
 
-    name = "stalled"
+    name, unsupported, max_positions = "stalled", {}, None
+    source_model = target_model = WordPieces()
 
     def __init__(self, *, fail: bool = False) -> None:
-        self.release, self.fail, self.calls = threading.Event(), fail, 0
+        self.release, self.entered, self.fail, self.calls = threading.Event(), threading.Event(), fail, 0
 
     def translate(self, lines, decode, progress, **guidance):
         self.calls += 1
+        self.entered.set()
         if self.fail:
             raise RuntimeError("/secret/internal/path.py line 7: tensor shape mismatch")
         self.release.wait(timeout=30)
         return [Translation([(line.upper(), 0.0)]) for line in lines]
 
 
-def app_client(engine: StalledEngine, **limits):
+def app_client(engine, *, api_key: str | None = None, **limits):
     from fastapi.testclient import TestClient
 
     from seq2seq.config import DecodeConfig
     from seq2seq.deploy.serve import Limits, create_app
 
     translator = Translator(DecodeConfig(beam=2), engine)
-    return TestClient(create_app(translator, model_name="stalled", limits=Limits(**limits)))
+    return TestClient(create_app(translator, model_name="stalled", limits=Limits(**limits), api_key=api_key))
 
 
-def test_a_full_queue_answers_503_and_a_slow_request_times_out():
+def test_a_full_queue_answers_503_and_a_request_that_timed_out_keeps_its_place_until_let_go():
+    """max_queue counts requests until the worker has let them go: a request whose client timed out
+    while it waited in the queue still holds its place, so the bound holds while the worker is stuck."""
     engine = StalledEngine()
-    with app_client(engine, max_queue=1, request_timeout=1.0, batch_wait=0.0) as client:
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            first = pool.submit(client.post, "/translate", json={"lines": ["a"]})
-            deadline = time.time() + 10
-            while engine.calls == 0 and time.time() < deadline:  # the first request is being translated
-                time.sleep(0.01)
-            busy = client.post("/translate", json={"lines": ["b"]})
-            assert busy.status_code == 503 and "busy (1 requests open)" in busy.json()["error"]
-            assert busy.headers["retry-after"] == "1"
-            late = first.result(timeout=20)
-        assert late.status_code == 503 and "took over 1 s" in late.json()["error"]
+    with (
+        app_client(engine, max_queue=2, request_timeout=0.5, batch_wait=0.0) as client,
+        ThreadPoolExecutor(max_workers=2) as pool,
+    ):
+        first = pool.submit(client.post, "/translate", json={"lines": ["a"]})
+        assert engine.entered.wait(timeout=30)  # the first request is being translated, the worker is stuck
+        queued = pool.submit(client.post, "/translate", json={"lines": ["b"], "beam": 1})
+        for late in (first.result(timeout=30), queued.result(timeout=30)):
+            assert late.status_code == 503 and "took over 0.5 s" in late.json()["error"]
+        busy = client.post("/translate", json={"lines": ["c"]})
+        assert busy.status_code == 503 and "busy (2 requests open)" in busy.json()["error"]
+        assert busy.headers["retry-after"] == "1"
         engine.release.set()
-        deadline = time.time() + 10  # the stalled job ends and frees its place in the queue
+        deadline = time.monotonic() + 30  # the stalled job ends, the timed-out one is dropped: both places free
         while (answer := client.post("/translate", json={"lines": ["c"]})).status_code == 503:
-            assert time.time() < deadline
+            assert time.monotonic() < deadline
             time.sleep(0.05)
         assert answer.status_code == 200 and answer.json()["translations"] == ["C"]
+        assert engine.calls == 2  # "a", then "c": "b" was never translated
+
+
+class SteppingModel:
+    """Our model on a fake clock: each decoder step takes one 'second'."""
+
+    def __init__(self, model, clock: list[float]) -> None:
+        self.model, self.clock, self.steps = model, clock, 0
+
+    def parameters(self):
+        return self.model.parameters()
+
+    def encode(self, src, src_mask):
+        return self.model.encode(src, src_mask)
+
+    def new_cache(self):
+        return self.model.new_cache()
+
+    def decode(self, tgt, memory, src_mask, cache):
+        self.steps += 1
+        self.clock[0] += 1.0
+        return self.model.decode(tgt, memory, src_mask, cache)
+
+
+def test_a_request_past_its_timeout_stops_within_one_step_and_frees_the_worker(trained_checkpoint, monkeypatch):
+    """--timeout 5 on a clock where each decoder step takes a second: the search stops at its sixth
+    step (the one after the deadline is never taken), the client gets 503, and the worker takes the
+    next request at once."""
+    from seq2seq.checkpoint import load_for_inference
+    from seq2seq.deploy import serve as serve_module
+    from seq2seq.inference import search as search_module
+
+    clock = [0.0]
+    fake_time = types.SimpleNamespace(monotonic=lambda: clock[0])
+    monkeypatch.setattr(serve_module, "time", fake_time)
+    monkeypatch.setattr(search_module, "time", fake_time)
+    bundle = load_for_inference(trained_checkpoint[0], "cpu")
+    model = SteppingModel(bundle.model, clock)
+    translator = Translator.from_model(model, bundle.tokenizer, bundle.config.decode)
+    long_search = {"lines": ["the cat sleeps"], "beam": 4, "min_len": 50, "max_len_a": 0.0, "max_len_b": 60}
+    with app_client(translator._engine, request_timeout=5.0) as client:
+        late = client.post("/translate", json=long_search)
+        assert late.status_code == 503 and "took over 5 s" in late.json()["error"]
+        assert model.steps == 6  # at 0, 1, ..., 5 'seconds'; not at 6, past the deadline
+        short = client.post("/translate", json={"lines": ["the cat sleeps"], "beam": 1, "max_len_a": 0.0,
+                                                "max_len_b": 3})  # fmt: skip
+        assert short.status_code == 200 and short.json()["translations"][0]
 
 
 def test_a_failure_inside_translation_is_a_500_that_echoes_nothing_internal(capfd):
@@ -253,3 +439,54 @@ def test_a_failure_inside_translation_is_a_500_that_echoes_nothing_internal(capf
         assert response.json() == {"error": "translation failed; the server's log has the details"}
         assert client.get("/health").status_code == 200
     assert "/secret/internal/path.py" in capfd.readouterr().err  # the server's log has it
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", None])
+def test_only_a_json_body_is_accepted(content_type):
+    """A web page may POST text/plain or a form to a local server without asking the user (no CORS
+    preflight); a JSON body it cannot send that way."""
+    engine = StalledEngine()
+    engine.release.set()
+    with app_client(engine) as client:
+        headers = {"content-type": content_type} if content_type else {}
+        response = client.post("/translate", content=b'{"lines": ["a"]}', headers=headers)
+        assert response.status_code == 415 and "expected application/json" in response.json()["error"]
+        assert engine.calls == 0
+        assert client.post("/translate", json={"lines": ["a"]}).status_code == 200
+        charset = client.post("/translate", content=b'{"lines": ["a"]}',
+                              headers={"content-type": "application/json; charset=utf-8"})  # fmt: skip
+        assert charset.status_code == 200
+
+
+def test_an_api_key_is_required_when_set_and_health_tells_strangers_nothing():
+    engine = StalledEngine()
+    engine.release.set()
+    with app_client(engine, api_key="s3cret") as client:
+        for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "s3cret"}):
+            response = client.post("/translate", json={"lines": ["a"]}, headers=headers)
+            assert response.status_code == 401 and "Authorization: Bearer" in response.json()["error"]
+            assert "s3cret" not in response.text
+        assert engine.calls == 0 and client.get("/health").json() == {"status": "ok"}
+        key = {"authorization": "Bearer s3cret"}
+        assert client.post("/translate", json={"lines": ["a"]}, headers=key).json() == {"translations": ["A"]}
+        assert client.get("/health", headers=key).json()["engine"] == "stalled"
+
+
+def test_serving_beyond_loopback_without_a_key_warns(monkeypatch, caplog, trained_checkpoint):
+    import uvicorn
+
+    from seq2seq.deploy import serve as serve_module
+
+    served = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **options: served.append(options["host"]))
+    with caplog.at_level(logging.WARNING, logger="seq2seq.deploy.serve"):
+        serve_module.serve(trained_checkpoint[0], host="127.0.0.1", port=free_port())
+        assert not caplog.records
+        serve_module.serve(trained_checkpoint[0], host="0.0.0.0", port=free_port(), api_key="s3cret")
+        assert not caplog.records
+        serve_module.serve(trained_checkpoint[0], host="0.0.0.0", port=free_port())
+    assert served == ["127.0.0.1", "0.0.0.0", "0.0.0.0"]
+    assert [r.getMessage() for r in caplog.records] == [
+        "serving on 0.0.0.0 without an API key: anyone who reaches this address can use the model; set --api-key "
+        "or SEQ2SEQ_API_KEY"
+    ]

@@ -1,5 +1,6 @@
-"""Ensembles: of one model equal to that model, of two equal to the brute-force average of their
-log-probabilities (renormalised), in search and in pair scoring; mismatched vocabularies refused."""
+"""Ensembles: of one model equal to that model, of two equal to a brute-force average of their
+log-probabilities (renormalised, recomputed without caches) in search; pair scoring agrees with the
+ensemble's own search; mismatched vocabularies refused."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from seq2seq.config import DecodeConfig, ModelConfig
-from seq2seq.data.special_tokens import PAD_ID
+from seq2seq.data.special_tokens import BOS_ID, EOS_ID, PAD_ID
 from seq2seq.errors import UserInputError
 from seq2seq.inference.ensemble import Ensemble
 from seq2seq.inference.search import PrefixCache, beam_search, greedy_search
@@ -95,11 +96,27 @@ def test_an_ensemble_of_two_searches_their_average(search, source):
     assert singles[0] != singles[1]  # the members disagree: the average is a third answer to check
 
 
-def test_an_ensemble_scores_pairs_by_the_average(source):
+def test_an_ensemble_scores_its_own_outputs_as_its_search_did(source):
+    """Pair scoring (teacher forcing, __call__) and search (the cached decoder) are two paths through
+    the ensemble: force-decoding the outputs its greedy search found gives the log-probabilities the
+    search summed for them; an ensemble of a model with itself scores as that model."""
     models = [tiny_model(3), tiny_model(4)]
+    ensemble = Ensemble(models)
+    found = [hyps[0] for hyps in greedy_search(ensemble, source, DecodeConfig(beam=1, max_len_a=1.0, max_len_b=4))]
+    limits = ((source != PAD_ID).sum(1) + 4).tolist()  # a * source length + b: an output this long has no EOS
+    for row, (hypothesis, limit) in enumerate(zip(found, limits)):
+        emitted = hypothesis.tokens + ([EOS_ID] if len(hypothesis.tokens) < limit else [])
+        tgt_in, gold = torch.tensor([[BOS_ID, *emitted[:-1]]]), torch.tensor([emitted])
+        src = source[row : row + 1]
+        with torch.no_grad():
+            log_prob = float(ensemble(src, tgt_in).gather(-1, gold.unsqueeze(-1)).sum())
+            members = [float(m(src, tgt_in).log_softmax(-1).gather(-1, gold.unsqueeze(-1)).sum()) for m in models]
+        assert log_prob == pytest.approx(hypothesis.log_prob, abs=1e-4)
+        assert all(abs(member - log_prob) > 1e-3 for member in members)  # neither member alone
     tgt_in = torch.randint(4, 40, (5, 6))
-    expected = torch.stack([m(source, tgt_in).log_softmax(-1) for m in models]).mean(0).log_softmax(-1)
-    torch.testing.assert_close(Ensemble(models)(source, tgt_in), expected)
+    torch.testing.assert_close(
+        Ensemble([models[0], models[0]])(source, tgt_in), models[0](source, tgt_in).log_softmax(-1)
+    )
 
 
 def test_checkpoints_with_different_vocabularies_are_refused(trained_checkpoint, tmp_path):

@@ -92,8 +92,7 @@ def test_greedy_with_a_prefix_equals_beam_one():
 def test_samples_keep_the_prefix():
     model = ScriptedModel(seed=6)
     config = no_norm(sample=True, nbest=20, max_len_b=5)
-    draws = sample_search(model, sentences(9, 8), config, torch.Generator().manual_seed(0),
-                          guidance=Guidance([[6, 6], []], [[], []]))  # fmt: skip
+    draws = sample_search(model, sentences(9, 8), config, guidance=Guidance([[6, 6], []], [[], []]))
     assert all(h.tokens[:2] == [6, 6] for h in draws[0])
     assert any(h.tokens[:2] != [6, 6] for h in draws[1])
 

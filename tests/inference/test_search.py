@@ -289,14 +289,12 @@ def test_samples_follow_the_models_distribution(temperature, top_k, top_p):
         second[1:] = 0
     second /= second.sum()
     expected = {(4,): first[0] * second[0], (4, 5): first[0] * second[1], (5,): first[1], (6,): first[2]}
-    draws = [tuple(h.tokens) for hyps in sample_search(model, sentences(0, 0, 0, 0), settings,
-                                                       torch.Generator().manual_seed(7)) for h in hyps]  # fmt: skip
+    draws = [tuple(h.tokens) for hyps in sample_search(model, sentences(0, 0, 0, 0), settings) for h in hyps]
     assert len(draws) == 1000 and set(draws) <= set(expected)
     for output, p in expected.items():
         spread = 5 * math.sqrt(1000 * p * (1 - p)) + 1
         assert abs(draws.count(output) - 1000 * p) <= spread, (output, draws.count(output), 1000 * float(p))
-    again = [tuple(h.tokens) for hyps in sample_search(model, sentences(0, 0, 0, 0), settings,
-                                                       torch.Generator().manual_seed(7)) for h in hyps]  # fmt: skip
+    again = [tuple(h.tokens) for hyps in sample_search(model, sentences(0, 0, 0, 0), settings) for h in hyps]
     assert again == draws
 
 
@@ -316,3 +314,66 @@ def test_scoring_a_search_output_gives_the_searchs_own_score(trained_checkpoint)
     assert len(ended) >= 20  # most outputs ended before their limit (a cut one has no EOS to score)
     for pair, score in ended:
         assert pair.score == pytest.approx(score, abs=1e-4)
+
+
+class CountingModel(ScriptedModel):
+    """A ScriptedModel on a fake clock: every decoder step takes one 'second'."""
+
+    def __init__(self, clock: list[float]) -> None:
+        super().__init__(seed=3)
+        self.clock, self.steps = clock, 0
+
+    def decode(self, tgt, memory, src_mask, cache):
+        self.steps += 1
+        self.clock[0] += 1.0
+        return super().decode(tgt, memory, src_mask, cache)
+
+
+@pytest.mark.parametrize("settings", [{"beam": 1}, {"beam": 3}, {"sample": True, "nbest": 2}])
+def test_a_search_past_its_deadline_stops_within_one_step(monkeypatch, settings):
+    """A server request whose client has left must free the worker: the search checks its deadline
+    before every decoder step and stops there."""
+    import types
+
+    from seq2seq.inference import search as search_module
+    from seq2seq.inference.engine import DeadlinePassed
+
+    clock = [0.0]
+    monkeypatch.setattr(search_module, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    model = CountingModel(clock)
+    config = no_norm(max_len_b=40, min_len=40, **settings)  # 40 steps unless stopped
+    with pytest.raises(DeadlinePassed):
+        search_module.search(model, sentences(1, 2), config, deadline=3.5)
+    assert model.steps == 4  # steps at 0, 1, 2 and 3 'seconds'; the one at 4 is never taken
+    finished = CountingModel(clock := [0.0])
+    monkeypatch.setattr(search_module, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    assert len(search_module.search(finished, sentences(1, 2), config, deadline=100.0)) == 2  # in time: whole
+
+
+def test_a_lines_samples_do_not_depend_on_its_batch():
+    """Each row draws from a generator of its own, keyed by (seed, line number, draw): the same line
+    and number give the same samples alone, in another batch, or beside other lines."""
+    model = ScriptedModel(seed=4)
+    config = no_norm(sample=True, nbest=6, max_len_b=6)
+
+    def draws(ids, lines):
+        return [[h.tokens for h in hyps] for hyps in sample_search(model, sentences(*ids), config, lines=lines)]
+
+    alone = draws([7], [12])[0]
+    assert draws([5, 7, 9], [0, 12, 3])[1] == alone
+    assert draws([7, 7], [12, 13])[0] == alone and draws([7, 7], [12, 13])[1] != alone  # another number, other draws
+    reseeded = [[h.tokens for h in hyps] for hyps in sample_search(model, sentences(7), no_norm(
+        sample=True, nbest=6, max_len_b=6, seed=2), lines=[12])][0]  # fmt: skip
+    assert reseeded != alone
+
+
+def test_a_sampled_output_ends_at_its_length_limit_whatever_the_draw(monkeypatch):
+    """The draw never picks EOS here (as a broken distribution, NaN at a vanishing temperature, once
+    did): each output still stops at its limit, instead of the search running on."""
+    from seq2seq.inference import search as search_module
+
+    monkeypatch.setattr(search_module, "draw_tokens", lambda log_probs, config, uniforms: torch.full_like(
+        uniforms, 4, dtype=torch.long))  # fmt: skip
+    config = no_norm(sample=True, nbest=2, max_len_b=5)
+    outputs = sample_search(ScriptedModel(seed=2), sentences(1, 2), config)
+    assert [[h.tokens for h in hyps] for hyps in outputs] == [[[4] * 5] * 2] * 2

@@ -1,0 +1,92 @@
+"""The Translator's contracts: a line's samples depend on the seed, its index and the settings alone;
+guidance the target vocabulary cannot spell is refused before any work; what a line costs."""
+
+from __future__ import annotations
+
+import pytest
+
+from seq2seq.errors import UserInputError
+from seq2seq.inference.translator import Translator
+
+
+@pytest.fixture(scope="module")
+def translator(trained_checkpoint) -> Translator:
+    return Translator.load(trained_checkpoint[0], device="cpu")
+
+
+@pytest.fixture(scope="module")
+def lines(trained_checkpoint) -> list[str]:
+    return (trained_checkpoint[1] / "test.en").read_text(encoding="utf-8").splitlines()[:12]
+
+
+def samples(translator: Translator, lines: list[str], **options) -> list[list[str]]:
+    return [[text for text, _ in t.nbest] for t in translator.translate_nbest(lines, sample=True, nbest=4, **options)]
+
+
+def test_a_lines_samples_do_not_change_with_the_lines_beside_it_or_the_batch_size(translator, lines):
+    """The README's promise: the same line at the same index, seed and settings draws the same
+    samples alone, in a batch of others, under another decode.batch_tokens."""
+    together = samples(translator, lines, seed=9)
+    assert samples(translator, lines[:1], seed=9)[0] == together[0]
+    assert samples(translator, lines, seed=9, batch_tokens=16) == together  # one line per batch
+    shuffled = lines[6:] + lines[:6]
+    moved = samples(translator, shuffled, seed=9)
+    numbered = translator.translate_with(shuffled, translator.settings(sample=True, nbest=4, seed=9),
+                                         line_numbers=list(range(6, 12)) + list(range(6)))  # fmt: skip
+    assert [[text for text, _ in t.nbest] for t in numbered] == together[6:] + together[:6]  # numbers, not places
+    assert moved != together[6:] + together[:6]  # at other indices, other draws
+    assert samples(translator, lines, seed=10) != together
+
+
+def test_a_file_samples_alike_whatever_its_chunking(trained_checkpoint, tmp_path, monkeypatch):
+    """`seq2seq translate` numbers a line by its place in the file, so chunks of 3 lines or 10,000
+    draw the same samples."""
+    from typer.testing import CliRunner
+
+    from seq2seq.cli.main import app
+    from seq2seq.inference import translator as translator_module
+
+    path, data = trained_checkpoint
+    source = tmp_path / "in.en"
+    source.write_text("\n".join((data / "test.en").read_text().splitlines()[:8]) + "\n")
+    command = ["translate", "-c", str(path), "-i", str(source), "--nbest", "3", "--set", "decode.sample=true"]
+    whole = CliRunner().invoke(app, command, catch_exceptions=False)
+    monkeypatch.setattr(translator_module, "FILE_CHUNK_LINES", 3)
+    chunked = CliRunner().invoke(app, command, catch_exceptions=False)
+    assert whole.exit_code == chunked.exit_code == 0
+    assert [line.split(" ||| ")[:2] for line in chunked.stdout.splitlines()] == [
+        line.split(" ||| ")[:2] for line in whole.stdout.splitlines()
+    ]
+
+
+UNSPELLABLE = "\ua66e\ua66e"  # ꙮꙮ: a script the tiny model's vocabulary never saw
+
+
+@pytest.mark.parametrize(
+    ("guidance", "named"),
+    [
+        ({"constraints": [[], ["nugati", UNSPELLABLE]]}, "constraints[1]: 'ꙮꙮ' has characters the target vocabulary"),
+        ({"prefixes": [f"la {UNSPELLABLE}", ""]}, "prefixes[0]: 'la ꙮꙮ' has characters the target vocabulary"),
+    ],
+)
+def test_guidance_the_target_vocabulary_cannot_spell_is_refused(translator, lines, guidance, named):
+    """Met by the unknown piece ⁇, such a constraint would be 'satisfied' and the output degrade."""
+    with pytest.raises(UserInputError) as info:
+        translator.translate(lines[:2], **guidance)
+    assert str(info.value).startswith(named) and "('ꙮ')" in str(info.value)
+
+
+def test_a_plan_counts_pieces_limits_and_hypotheses(translator):
+    """What the server's work budget counts: source pieces (with EOS) x hypotheses x length limit,
+    the limit raised by a prefix and by constraint tokens, and nothing for an empty line."""
+    decode = translator.settings(beam=3, max_len_a=1.5, max_len_b=5)
+    line = "the small cat sleeps"
+    pieces = len(translator.bundle.tokenizer.encode_src([line])[0])
+    plain, empty = translator.plan([line, ""], decode)
+    assert (plain.source, plain.rows, plain.limit) == (pieces, 3, int(1.5 * pieces + 5))
+    assert plain.work == pieces * 3 * int(1.5 * pieces + 5) and empty.work == 0
+    (constrained,) = translator.plan([line], decode, constraints=[["nugati zucatar"]])
+    extra = len(translator.bundle.tokenizer.encode_tgt(["nugati zucatar"])[0])
+    assert constrained.limit == plain.limit + extra
+    (sampled,) = translator.plan([line], translator.settings(sample=True, nbest=7))
+    assert sampled.rows == 7
