@@ -90,39 +90,88 @@ def _train_command(config: Path, run_dir: Path, *, resume: bool) -> list[str]:
     return [sys.executable, "-m", "seq2seq", "train", str(config), *where, "--quiet"]
 
 
+# A training run that SIGKILLs itself at the n-th time it reaches a chosen point: a kill that lands
+# exactly there on any machine, however fast, where a kill after a random delay may land anywhere.
+KILLED_AT = """
+import io, os, signal, sys
+import seq2seq.checkpoint as checkpoint, seq2seq.training.run_log as run_log, seq2seq.training.trainer as trainer
+where, nth, calls = sys.argv[1], int(sys.argv[2]), [0]
+
+def due():
+    calls[0] += 1
+    return calls[0] == nth
+
+def die():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+if where == "inside a checkpoint write":  # half its bytes on disk, under its temporary name
+    save = checkpoint.torch.save
+    def half_then_die(obj, handle, *args, **kwargs):
+        if due():
+            whole = io.BytesIO()
+            save(obj, whole, *args, **kwargs)
+            handle.write(whole.getvalue()[: len(whole.getvalue()) // 2])
+            handle.flush()
+            die()
+        return save(obj, handle, *args, **kwargs)
+    checkpoint.torch.save = half_then_die
+elif where == "before last.pt moves on":  # the new checkpoint is whole, last.pt still the one before
+    link = checkpoint._link_latest
+    checkpoint._link_latest = lambda path, latest: die() if due() else link(path, latest)
+elif where == "inside a metrics line":  # a torn line at the end of metrics.jsonl
+    write = run_log.MetricsLog.write
+    def torn_then_die(self, kind, **values):
+        if due():
+            with open(self.path, "a", encoding="utf-8") as handle:
+                handle.write('{"kind": "' + kind + '", "ste')
+            die()
+        return write(self, kind, **values)
+    run_log.MetricsLog.write = torn_then_die
+else:  # "inside an update"
+    step = trainer.train_step
+    trainer.train_step = lambda *args, **kwargs: die() if due() else step(*args, **kwargs)
+from seq2seq.cli.main import main
+sys.argv = ["seq2seq", *sys.argv[3:]]
+main()
+"""
+
+
 @pytest.mark.slow
-def test_kills_at_random_moments_then_resume_give_the_uninterrupted_model(tmp_path, tiny_data):
-    """SIGKILL at random times (save_every=2 puts many of them inside a checkpoint write); every
+def test_kills_at_chosen_moments_then_resume_give_the_uninterrupted_model(tmp_path, tiny_data):
+    """SIGKILL inside a checkpoint write, between a checkpoint and last.pt, inside a metrics line and
+    inside an update, each at a seeded random occurrence (save_every=2: many checkpoints); every
     restart resumes from the last whole checkpoint, and the end result is bitwise the uninterrupted run."""
-    config = _config(tmp_path, tiny_data, max_steps=80, save_every=2, valid_every=40, keep_last=3)
+    config = _config(tmp_path, tiny_data, max_steps=80, save_every=2, valid_every=40, keep_last=3, log_every=4)
     env = {**os.environ, "PYTHONHASHSEED": "0"}
     reference = tmp_path / "reference"
     subprocess.run(_train_command(config, reference, resume=False), check=True, env=env, capture_output=True)
-    run_dir, rng, kills = tmp_path / "killed", random.Random(7), 0
-    while True:
+    run_dir, rng = tmp_path / "killed", random.Random(7)
+    kills = [("inside a checkpoint write", rng.randint(2, 6)), ("before last.pt moves on", rng.randint(2, 6)),
+             ("inside a metrics line", rng.randint(1, 3)), ("inside an update", rng.randint(3, 12))]  # fmt: skip
+    for where, nth in kills:
         resume = bool(numbered_checkpoints(run_dir / "checkpoints"))
-        process = subprocess.Popen(_train_command(config, run_dir, resume=resume), env=env,
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
-        if kills < 4:
-            try:
-                process.wait(timeout=rng.uniform(2.5, 5.0))  # a start takes ~2 s: kills land in training
-            except subprocess.TimeoutExpired:
-                process.send_signal(signal.SIGKILL)
-                process.wait()
-                kills += 1
-                for checkpoint in numbered_checkpoints(run_dir / "checkpoints"):
-                    Checkpoint.load(checkpoint)  # never a half-written checkpoint under its real name
-                continue
-        _, stderr = process.communicate(timeout=300)
-        assert process.returncode == 0, stderr.decode()
-        break
-    assert kills == 4
+        command = [
+            sys.executable,
+            "-c",
+            KILLED_AT,
+            where,
+            str(nth),
+            *_train_command(config, run_dir, resume=resume)[3:],
+        ]
+        result = subprocess.run(command, env=env, capture_output=True, timeout=300)
+        assert result.returncode == -signal.SIGKILL, (where, result.stderr.decode()[-2000:])
+        for checkpoint in numbered_checkpoints(run_dir / "checkpoints"):
+            Checkpoint.load(checkpoint)  # never a half-written checkpoint under its real name
+    finished = subprocess.run(_train_command(config, run_dir, resume=True), env=env, capture_output=True, timeout=300)
+    assert finished.returncode == 0, finished.stderr.decode()
     assert not _temporaries(run_dir)  # what the kills left half-written is gone
     ours = Checkpoint.load(run_dir / "checkpoints" / "last.pt")
     theirs = Checkpoint.load(reference / "checkpoints" / "last.pt")
     assert ours.progress.step == theirs.progress.step == 80
     for name, tensor in theirs.model.items():
         assert torch.equal(ours.model[name], tensor), name
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]  # all whole
+    assert [r["step"] for r in records if r["kind"] == "train"] == list(range(4, 81, 4))
 
 
 def _dead_pid() -> int:
