@@ -53,6 +53,7 @@ from seq2seq.errors import UserInputError
 from seq2seq.inference.admission import LinePlan, Names
 from seq2seq.inference.engine import DeadlinePassed, Translation
 from seq2seq.inference.translator import Translator
+from seq2seq.training.host_memory import release_free_heap
 
 log = logging.getLogger(__name__)
 
@@ -227,8 +228,13 @@ class BatchingWorker:
                                                          constraints=constraints, line_numbers=numbers,
                                                          deadline=deadline)  # fmt: skip
         except Exception as error:  # DeadlinePassed: the clients have left; anything else answers 500
+            if not isinstance(error, DeadlinePassed):  # the details go to the server's log, never to the client
+                traceback.print_exc(file=sys.stderr)
+            # without its traceback, whose frames hold the search's tensors for as long as the future lives
+            error = error.with_traceback(None)
             for job in batch:
                 job.future.set_exception(error)
+            release_free_heap()  # a search stopped part-way left its caches' holes in the heap
             return
         start = 0
         for job in batch:
@@ -399,8 +405,7 @@ def create_app(
             return job, await asyncio.wait_for(asyncio.wrap_future(future), limits.request_timeout)
         except (asyncio.TimeoutError, DeadlinePassed):  # the worker skips it, or stops it within a step
             return late
-        except Exception:  # the details go to the server's log, never to the client
-            traceback.print_exc(file=sys.stderr)
+        except Exception:  # the worker logged the details; they never go to the client
             work = {"translate": "translation", "score": "scoring"}[job.kind]
             return _error(500, f"{work} failed; the server's log has the details")
 

@@ -361,3 +361,28 @@ def test_an_export_with_more_positions_translates_the_long_line(trained_checkpoi
     settings = {"beam": 1, "max_len_a": 0.0, "max_len_b": 30}
     exported, ours = Translator.load(tmp_path / "model"), Translator.load(checkpoint, device="cpu")
     assert exported.translate([long], **settings) == ours.translate([long], **settings)
+
+
+def test_an_exported_model_stops_at_its_deadline(exported_model, monkeypatch):
+    """CTranslate2 cannot take back a submitted batch: greedy and sampled decoding stop at the step
+    past the deadline (its per-step callback), beam search between batches; either way the caller
+    gets DeadlinePassed, never a partial output."""
+    import types
+
+    from seq2seq.inference import ctranslate2_engine
+    from seq2seq.inference.engine import DeadlinePassed
+
+    _, exported, lines = exported_model
+    calls = []
+    monkeypatch.setattr(
+        ctranslate2_engine, "time", types.SimpleNamespace(monotonic=lambda: calls.append(1) or len(calls))
+    )
+    greedy = exported.settings(beam=1, min_len=40, max_len_a=0.0, max_len_b=60)
+    assert exported.translate_with(lines[:1], greedy, deadline=10**9)  # in time: whole
+    assert len(calls) >= 40  # the clock is read at each of its (at least 40) steps
+    calls.clear()
+    with pytest.raises(DeadlinePassed):
+        exported.translate_with(lines[:1], greedy, deadline=3.0)
+    assert len(calls) <= 6  # a check, three steps, the check after: then it stopped
+    with pytest.raises(DeadlinePassed):
+        exported.translate_with(lines[:4], exported.settings(beam=4), deadline=0.0)
