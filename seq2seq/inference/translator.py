@@ -242,6 +242,7 @@ class LineGuides:
 
     def names(self, source: str) -> Names:
         """How errors name an input line and its guidance: by file and line."""
+        source = "<stdin>" if source == "-" else source
         return Names(line=f"{source}:{{number}}", prefix=f"{self.prefixes}:{{number}}",
                      constraint=f"{self.constraints}:{{number}}")  # fmt: skip
 
