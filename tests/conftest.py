@@ -88,26 +88,25 @@ def _seed():
     torch.manual_seed(0)
 
 
-@pytest.fixture(scope="session")
-def trained_checkpoint(tmp_path_factory, demo_pairs) -> tuple[Path, Path]:
-    """(last.pt of the tiny config after 60 steps, its data folder): a model that has begun to learn."""
-    root = tmp_path_factory.mktemp("trained")
+def _trained(tmp_path_factory, demo_pairs, name: str, steps: int) -> tuple[Path, Path]:
+    """(last.pt of the tiny config after `steps` steps, its data folder)."""
+    root = tmp_path_factory.mktemp(name)
     data = root / "data"
     data.mkdir()
     for split, pairs in demo_pairs.items():
         write_pairs(data, split, pairs)
-    make_trainer(root, data, max_steps=60, valid_every=60, save_every=60, log_every=60).run()
+    make_trainer(root, data, max_steps=steps, valid_every=steps, save_every=steps, log_every=steps).run()
     return root / "run" / "checkpoints" / "last.pt", data
+
+
+@pytest.fixture(scope="session")
+def trained_checkpoint(tmp_path_factory, demo_pairs) -> tuple[Path, Path]:
+    """A model that has begun to learn (60 steps): unsure, so its searches branch and stop in many ways."""
+    return _trained(tmp_path_factory, demo_pairs, "trained", 60)
 
 
 @pytest.fixture(scope="session")
 def learned_checkpoint(tmp_path_factory, demo_pairs) -> tuple[Path, Path]:
-    """(last.pt of the tiny config after 300 steps, its data folder): a model that translates (valid
-    BLEU above 30), for the checks a half-trained model cannot make, such as a BLEU drop."""
-    root = tmp_path_factory.mktemp("learned")
-    data = root / "data"
-    data.mkdir()
-    for split, pairs in demo_pairs.items():
-        write_pairs(data, split, pairs)
-    make_trainer(root, data, max_steps=300, valid_every=300, save_every=300, log_every=300).run()
-    return root / "run" / "checkpoints" / "last.pt", data
+    """A model that translates (300 steps, valid BLEU above 30), for the checks a half-trained model
+    cannot make, such as a BLEU drop."""
+    return _trained(tmp_path_factory, demo_pairs, "learned", 300)
