@@ -466,7 +466,7 @@ def serve(
       curl -s localhost:8000/translate -H 'content-type: application/json' -d '{"lines": ["the cat sleeps"], "beam": 5}'
       SEQ2SEQ_API_KEY=s3cret seq2seq serve models/bible-int8 --host 0.0.0.0
     """
-    from seq2seq.deploy.serve import Limits
+    from seq2seq.deploy.requests import Limits
     from seq2seq.deploy.serve import serve as serve_model
 
     missing = [str(path) for path in model if not path.exists()]

@@ -137,7 +137,8 @@ def wait_until_waiting(client, count: int) -> None:
 def gated_client(translator: Translator, **limits):
     from fastapi.testclient import TestClient
 
-    from seq2seq.deploy.serve import Limits, create_app
+    from seq2seq.deploy.requests import Limits
+    from seq2seq.deploy.serve import create_app
 
     gate = Gate(translator._engine)
     gated = Translator(translator.decode, gate)
@@ -355,7 +356,8 @@ def app_client(engine, *, api_key: str | None = None, **limits):
     from fastapi.testclient import TestClient
 
     from seq2seq.config import DecodeConfig
-    from seq2seq.deploy.serve import Limits, create_app
+    from seq2seq.deploy.requests import Limits
+    from seq2seq.deploy.serve import create_app
 
     translator = Translator(DecodeConfig(beam=2), engine)
     return TestClient(create_app(translator, model_name="stalled", limits=Limits(**limits), api_key=api_key))

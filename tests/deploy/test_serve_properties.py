@@ -98,7 +98,8 @@ def client(request, trained_checkpoint, tmp_path_factory):
     from fastapi.testclient import TestClient
 
     from seq2seq.deploy.export import export_checkpoint
-    from seq2seq.deploy.serve import Limits, create_app
+    from seq2seq.deploy.requests import Limits
+    from seq2seq.deploy.serve import create_app
 
     path = trained_checkpoint[0]
     if request.param == "ctranslate2":

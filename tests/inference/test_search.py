@@ -11,6 +11,7 @@ import torch
 
 from seq2seq.config import DecodeConfig, ModelConfig
 from seq2seq.data.special_tokens import BOS_ID, EOS_ID, PAD_ID
+from seq2seq.inference.sampling import sampling_candidates
 from seq2seq.inference.search import (
     PrefixCache,
     beam_search,
@@ -18,7 +19,6 @@ from seq2seq.inference.search import (
     greedy_search,
     length_normalized,
     sample_search,
-    sampling_candidates,
 )
 from seq2seq.model.transformer import Seq2SeqTransformer
 
