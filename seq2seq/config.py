@@ -110,6 +110,9 @@ class ModelConfig:
     dropout: float = 0.1
     attention_dropout: float = 0.0  # on attention probabilities
     activation_dropout: float = 0.0  # inside the feed-forward block, after the activation
+    encoder_layerdrop: float = 0.0  # training skips each encoder layer with this probability (LayerDrop)
+    decoder_layerdrop: float = 0.0  # the same for decoder layers (Araabi & Monz 2020: pays on small data)
+    target_word_dropout: float = 0.0  # training zeroes a target input word's embedding with this probability
     activation: Literal["relu", "gelu"] = "relu"
     norm: Literal["post", "pre"] = "post"  # post = the paper; pre = stabler for deep models
     share_embeddings: bool = True  # source, target and output embeddings are one matrix (joint vocab)
@@ -124,7 +127,8 @@ class ModelConfig:
             found.append(("d_model", f"expected a multiple of heads ({self.heads}), got {self.d_model}"))
         elif self.d_model % 2:
             found.append(("d_model", f"expected an even number (sin/cos position pairs), got {self.d_model}"))
-        for key in ("dropout", "attention_dropout", "activation_dropout"):
+        for key in ("dropout", "attention_dropout", "activation_dropout", "encoder_layerdrop", "decoder_layerdrop",
+                    "target_word_dropout"):  # fmt: skip
             if not 0.0 <= getattr(self, key) < 1.0:
                 found.append((key, "expected a number in [0, 1)"))
         return found
@@ -138,10 +142,12 @@ class TrainConfig:
     max_time: float = 0.0  # stop after this many seconds of training; 0 = no limit
     accum_steps: int = 1  # batches per update: the effective batch is max_tokens * accum_steps
     lr: float = 5e-4  # peak learning rate
-    schedule: Literal["inverse_sqrt", "noam", "linear", "cosine", "constant"] = "inverse_sqrt"
+    schedule: Literal["inverse_sqrt", "noam", "linear", "cosine", "constant", "wsd"] = "inverse_sqrt"
     warmup_steps: int = 4000
-    warmup_fraction: float = 0.0  # > 0: warm up over this share of the budget instead (linear, cosine, constant)
-    min_lr: float = 0.0  # the floor linear and cosine reach when the budget is spent
+    warmup_fraction: float = 0.0  # > 0: warm up over this share of the budget instead (linear, cosine, constant, wsd)
+    min_lr: float = 0.0  # the floor linear, cosine and wsd reach when the budget is spent
+    cooldown_fraction: float = 0.2  # wsd: the share at the end of the budget over which the rate decays
+    cooldown_shape: Literal["linear", "sqrt"] = "sqrt"  # wsd: lr x (1 - p), or x (1 - sqrt(p)), p through the cooldown
     ema_decay: float = 0.0  # > 0: keep an exponential moving average of the weights (weight_average.py)
     optimizer: Literal["adam", "adamw"] = "adam"
     betas: tuple[float, float] = (0.9, 0.98)
@@ -184,11 +190,16 @@ class TrainConfig:
             found.append(("lr", "expected a number > 0"))
         if self.schedule == "noam" and self.warmup_steps == 0:
             found.append(("warmup_steps", "schedule 'noam' needs warmup_steps >= 1"))
+        if not 0.0 < self.cooldown_fraction <= 1.0:
+            found.append(("cooldown_fraction", "expected a number in (0, 1]"))
+        elif self.schedule == "wsd" and self.warmup_fraction + self.cooldown_fraction > 1.0:
+            found.append(("cooldown_fraction", f"expected at most 1 - warmup_fraction ({1 - self.warmup_fraction:g}): "
+                                               "the warmup and the cooldown share one budget"))  # fmt: skip
         if not 0.0 <= self.warmup_fraction < 1.0:
             found.append(("warmup_fraction", "expected a number in [0, 1)"))
         elif self.warmup_fraction and self.schedule in ("noam", "inverse_sqrt"):
             found.append(("warmup_fraction", f"schedule '{self.schedule}' warms up over warmup_steps; "
-                                             "warmup_fraction needs linear, cosine or constant"))  # fmt: skip
+                                             "warmup_fraction needs linear, cosine, constant or wsd"))  # fmt: skip
         if not 0.0 <= self.ema_decay < 1.0:
             found.append(("ema_decay", "expected a number in [0, 1), e.g. 0.999 (0 = no weight average)"))
         if not 0.0 <= self.min_lr <= self.lr:

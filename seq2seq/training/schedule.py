@@ -4,8 +4,12 @@ is spent.
 A run's budget is whichever of `max_steps`, `max_time` and `max_epochs` ends it first. The `linear`
 and `cosine` schedules decay from the peak to `min_lr` exactly when the budget is spent, so a run
 given half an hour anneals within that half hour on any machine (budgeted training, Li et al. 2020:
-a linear decay to zero at the budget is robust and strong, above all for small budgets).
-`inverse_sqrt` and `noam` never anneal: they suit runs stopped by patience, not by a budget.
+a linear decay to zero at the budget is robust and strong, above all for small budgets). `wsd`
+(warmup-stable-decay) holds the peak and cools down only over the last `cooldown_fraction` of the
+budget, to the floor, linearly or as 1 - sqrt (Hägele et al. 2024: a short cooldown matches a
+cosine run of the same length, and 1 - sqrt cools better than linear); the cooldown is placed by
+the same budget share, so it works for `max_time` too. `inverse_sqrt` and `noam` never anneal:
+they suit runs stopped by patience, not by a budget.
 """
 
 from __future__ import annotations
@@ -56,8 +60,15 @@ def learning_rate(
         return lr * step / warmup
     if config.schedule == "inverse_sqrt":
         return lr * math.sqrt(max(warmup, 1) / step)
-    progress = 1.0 if decay_start >= 1.0 else min(1.0, max(0.0, (spent - decay_start) / (1.0 - decay_start)))
     floor = config.min_lr
+    if config.schedule == "wsd":
+        start = 1.0 - config.cooldown_fraction
+        if spent <= start:
+            return lr
+        through = min(1.0, (spent - start) / config.cooldown_fraction)
+        left = 1.0 - (math.sqrt(through) if config.cooldown_shape == "sqrt" else through)
+        return floor + (lr - floor) * left
+    progress = 1.0 if decay_start >= 1.0 else min(1.0, max(0.0, (spent - decay_start) / (1.0 - decay_start)))
     if config.schedule == "linear":
         return floor + (lr - floor) * (1.0 - progress)
     if config.schedule == "cosine":

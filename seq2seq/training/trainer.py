@@ -131,7 +131,10 @@ class Trainer:
         self.model = build_model(config.model, self.tokenizer).to(self.device)
         if self.dist.enabled:  # same initial weights everywhere (DDP also broadcasts them); own dropout streams
             torch.manual_seed(tc.seed + 7919 * self.dist.rank)
-        self.ddp = DistributedDataParallel(self.model) if self.dist.enabled else None
+        layerdrop = bool(
+            config.model.encoder_layerdrop or config.model.decoder_layerdrop
+        )  # skipped layers get no grads
+        self.ddp = DistributedDataParallel(self.model, find_unused_parameters=layerdrop) if self.dist.enabled else None
         wrapped = self.ddp or self.model
         self.forward = compile_for_training(wrapped) if tc.compile else wrapped
         self.optimizer = build_optimizer(self.model, tc)

@@ -305,3 +305,38 @@ def test_the_bf16_training_path_computes_attention_in_fp32(is_causal):
     ours, theirs = (out.double() - exact).abs().max(), (rounded_scores - exact).abs().max()
     assert ours <= exact.abs().max() * 2**-8  # one bf16 rounding of the output, nothing more
     assert theirs > 2 * ours  # the check can tell the two apart
+
+
+def test_layerdrop_skips_each_layer_at_its_rate_in_training_and_none_in_evaluation():
+    """decoder_layerdrop 0.5: over 400 training passes each decoder layer runs about half the time
+    (within 5 standard deviations) and every encoder layer always; in evaluation every layer runs."""
+    model = make_model(decoder_layerdrop=0.5)
+    runs = {name: 0 for name in ("encoder_layers.0", "encoder_layers.1", "decoder_layers.0", "decoder_layers.1")}
+    for name, module in model.named_modules():
+        if name in runs:
+            module.register_forward_hook(lambda *args, name=name: runs.__setitem__(name, runs[name] + 1))
+    src, tgt = torch.randint(4, VOCAB, (2, 5)), torch.randint(4, VOCAB, (2, 4))
+    model.train()
+    for _ in range(400):
+        model(src, tgt)
+    assert runs["encoder_layers.0"] == runs["encoder_layers.1"] == 400
+    assert all(abs(runs[f"decoder_layers.{i}"] - 200) <= 5 * math.sqrt(100) for i in (0, 1))
+    model.eval()
+    before = dict(runs)
+    model(src, tgt)
+    assert all(runs[name] == before[name] + 1 for name in runs)
+
+
+def test_target_word_dropout_zeroes_whole_word_embeddings_in_training_only():
+    """target_word_dropout 0.5: about half the target tokens enter the decoder as their position alone."""
+    model = make_model(target_word_dropout=0.5)
+    tokens = torch.randint(4, VOCAB, (40, 50))
+    positions = sinusoidal_positions(torch.arange(50), D_MODEL)
+    model.train()
+    embedded = model.embed(model.tgt_embed, tokens, 0, model.config.target_word_dropout)
+    dropped = (embedded - positions).abs().amax(-1) < 1e-6  # (40, 50): the word's embedding is gone
+    assert abs(dropped.float().mean().item() - 0.5) < 0.05
+    kept = model.embed(model.tgt_embed, tokens, 0) - positions  # the same words, never dropped
+    torch.testing.assert_close((embedded - positions)[~dropped], kept[~dropped])
+    model.eval()
+    assert not ((model.embed(model.tgt_embed, tokens, 0, 0.5) - positions).abs().amax(-1) < 1e-6).any()

@@ -64,9 +64,11 @@ def test_two_ranks_equal_one_process_with_the_same_global_batch(tmp_path, config
 
 
 def test_two_ranks_resume_where_they_stopped(tmp_path, config):
-    train(config, tmp_path / "straight", "--nproc", "2")
-    train(config, tmp_path / "stopped", "--nproc", "2", "--set", "train.max_steps=3")
-    train(config, tmp_path / "stopped", "--nproc", "2", "--resume")
+    """With decoder LayerDrop, so that each rank skips its own layers (parameters without gradients)."""
+    layerdrop = ["--set", "model.decoder_layerdrop=0.3"]
+    train(config, tmp_path / "straight", "--nproc", "2", *layerdrop)
+    train(config, tmp_path / "stopped", "--nproc", "2", "--set", "train.max_steps=3", *layerdrop)
+    train(config, tmp_path / "stopped", "--nproc", "2", "--resume", *layerdrop)
     straight, resumed = final_parameters(tmp_path / "straight"), final_parameters(tmp_path / "stopped")
     for name, tensor in straight.items():
         torch.testing.assert_close(resumed[name], tensor, atol=1e-6, rtol=0, msg=name)

@@ -19,12 +19,12 @@ def lr(schedule: str, step: int, **overrides) -> float:
     return learning_rate(step, config, d_model=512, spent=spent, decay_start=100 / 1100)
 
 
-@pytest.mark.parametrize("schedule", ["inverse_sqrt", "linear", "cosine", "constant", "noam"])
+@pytest.mark.parametrize("schedule", ["inverse_sqrt", "linear", "cosine", "constant", "noam", "wsd"])
 def test_every_schedule_starts_at_zero(schedule):
     assert lr(schedule, 0) == 0.0
 
 
-@pytest.mark.parametrize("schedule", ["inverse_sqrt", "linear", "cosine", "constant"])
+@pytest.mark.parametrize("schedule", ["inverse_sqrt", "linear", "cosine", "constant", "wsd"])
 def test_linear_warmup_to_the_peak(schedule):
     assert lr(schedule, 50) == pytest.approx(5e-4)
     assert lr(schedule, 100) == pytest.approx(1e-3)
@@ -52,6 +52,19 @@ def test_decay_ends_at_the_floor():
 
 def test_constant_after_warmup():
     assert lr("constant", 1000) == pytest.approx(1e-3)
+
+
+def test_wsd_holds_the_peak_then_cools_down_over_the_last_share_of_the_budget():
+    """1,100 updates, cooldown over the last 20% (from update 880): the peak until then, and at the
+    middle of the cooldown 1 - sqrt(0.5) of it (linear: a half); the floor at the end."""
+    assert lr("wsd", 500) == lr("wsd", 880) == pytest.approx(1e-3)
+    assert lr("wsd", 990) == pytest.approx(1e-3 * (1 - math.sqrt(0.5)))
+    assert lr("wsd", 990, cooldown_shape="linear") == pytest.approx(5e-4)
+    assert lr("wsd", 1100) == pytest.approx(0.0, abs=1e-12)
+    assert lr("wsd", 1100, min_lr=1e-4) == pytest.approx(1e-4)
+    timed = TrainConfig(lr=1e-3, schedule="wsd", warmup_fraction=0.1, cooldown_fraction=0.1, max_time=100.0)
+    assert learning_rate(50, timed, d_model=512, spent=0.85) == pytest.approx(1e-3)
+    assert learning_rate(80, timed, d_model=512, spent=0.95) == pytest.approx(1e-3 * (1 - math.sqrt(0.5)))
 
 
 def test_noam_is_the_papers_formula():
@@ -96,6 +109,8 @@ def test_warmup_over_a_share_of_the_budget():
         ({"warmup_fraction": 1.0}, "warmup_fraction"),
         ({"warmup_fraction": 0.1, "schedule": "inverse_sqrt"}, "warmup_fraction"),
         ({"min_lr": 0.01, "lr": 0.001}, "min_lr"),
+        ({"schedule": "wsd", "warmup_fraction": 0.5, "cooldown_fraction": 0.6}, "cooldown_fraction"),
+        ({"cooldown_fraction": 0.0}, "cooldown_fraction"),
     ],  # fmt: skip
 )
 def test_schedule_settings_that_cannot_work_are_named(overrides, key):
