@@ -27,6 +27,7 @@ from seq2seq.model.transformer import Seq2SeqTransformer, build_model
 FORMAT_VERSION = 1
 LAST = "last.pt"
 BEST = "best.pt"
+AVERAGED = "averaged.pt"  # the mean of a run's last saves (train.average_last)
 
 
 @dataclass
@@ -62,7 +63,7 @@ class Checkpoint:
     rng: RngStates
     averaged_from: list[str] = field(default_factory=list)  # set by `seq2seq average`
     ema: dict[str, Tensor] = field(default_factory=dict)  # train.ema_decay's weight average, to resume it
-    weights: str = "trained"  # what `model` holds: "trained", or "ema" (best.pt, when the average validated better)
+    weights: str = "trained"  # what `model` holds: "trained", "ema" or "average" (best.pt: which validated best)
 
     def to_state(self) -> dict[str, Any]:
         """Plain data and tensors only, so that loading never needs to unpickle an object."""

@@ -167,6 +167,7 @@ class TrainConfig:
     compile: bool = False  # wrap the model in torch.compile
     save_every: int = 1000
     keep_last: int = 5
+    average_last: int = 0  # >= 2: when the run stops, average its last N saves into averaged.pt (best.pt if better)
 
     def problems(self) -> list[tuple[str, str]]:
         found = []
@@ -190,6 +191,8 @@ class TrainConfig:
             found.append(("lr", "expected a number > 0"))
         if self.schedule == "noam" and self.warmup_steps == 0:
             found.append(("warmup_steps", "schedule 'noam' needs warmup_steps >= 1"))
+        if self.average_last == 1 or self.average_last < 0 or self.average_last > self.keep_last:
+            found.append(("average_last", f"expected 0 (off) or an integer in [2, keep_last ({self.keep_last})]"))
         if not 0.0 < self.cooldown_fraction <= 1.0:
             found.append(("cooldown_fraction", "expected a number in (0, 1]"))
         elif self.schedule == "wsd" and self.warmup_fraction + self.cooldown_fraction > 1.0:

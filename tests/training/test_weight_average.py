@@ -3,6 +3,7 @@ the trained weights, and written to best.pt when it validates better."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -75,3 +76,44 @@ def test_an_impossible_decay_is_named(decay, tmp_path, tiny_data):
 
     problems = dict(TrainConfig(ema_decay=decay).problems())
     assert ("ema_decay" in problems) == (decay >= 1.0)
+
+
+@pytest.mark.parametrize("average_wins", [False, True])
+def test_a_run_averages_its_last_saves_when_it_stops(tmp_path, tiny_data, monkeypatch, average_wins):
+    """average_last 3: averaged.pt holds the mean of steps 20, 30 and 40 (not of the 10 before them),
+    its validation is logged, and best.pt becomes the average exactly where it validates better."""
+    from seq2seq.training.trainer import Trainer
+
+    real = Trainer.evaluate_valid
+    calls = []
+
+    def evaluate(self):
+        result = real(self)
+        calls.append(result.scores.bleu)
+        if len(calls) == 2:  # the second look at step 40, the average's: a stand-in BLEU, above or below
+            bleu = dataclasses.replace(result.scores.get("bleu"), score=99.0 if average_wins else -1.0)
+            others = [m for m in result.scores.metrics if m.name != "BLEU"]
+            result = dataclasses.replace(result, scores=dataclasses.replace(result.scores, metrics=(bleu, *others)))
+        return result
+
+    monkeypatch.setattr(Trainer, "evaluate_valid", evaluate)
+    trainer = make_trainer(tmp_path, tiny_data, max_steps=40, valid_every=40, save_every=10, average_last=3)
+    trainer.run()
+    folder = tmp_path / "run" / "checkpoints"
+    saves = [Checkpoint.load(folder / f"step_{step:08d}.pt").model for step in (20, 30, 40)]
+    averaged = Checkpoint.load(folder / "averaged.pt")
+    for name, tensor in averaged.model.items():
+        torch.testing.assert_close(tensor, torch.stack([save[name] for save in saves]).mean(0), msg=name)
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "average"] == [40]
+    best = Checkpoint.load(folder / "best.pt")
+    assert best.weights == ("average" if average_wins else "trained")
+    reference = averaged.model if average_wins else saves[-1]
+    assert all(torch.equal(best.model[name], reference[name]) for name in reference)
+
+
+def test_average_last_needs_the_saves_it_averages():
+    from seq2seq.config import TrainConfig
+
+    problems = dict(TrainConfig(average_last=6, keep_last=5).problems())
+    assert "expected 0 (off) or an integer in [2, keep_last (5)]" in problems["average_last"]
