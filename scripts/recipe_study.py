@@ -13,7 +13,13 @@ study continues where it stopped.
         --lrs 1e-3 2e-3 4e-3 --seeds 2 --json runs/study/study.json
 
 A variant is `NAME` (the config as it is) or `NAME: key=value key=value ...`. The baseline is
-`--baseline` (default: inverse_sqrt, 400 warmup updates) at each of --baseline-lrs.
+`--baseline` (default: inverse_sqrt, 400 warmup updates) at each of --baseline-lrs. `--common`
+overrides apply to every run, e.g. another corpus for the same recipe:
+
+    python scripts/recipe_study.py configs/small_data.yaml --out runs/study-messages --steps 600 --variant shipped \
+        --common "data.tgt_lang=de data.train.src=data/messages/train.en data.train.tgt=data/messages/train.de \
+                  data.valid.src=data/messages/valid.en data.valid.tgt=data/messages/valid.de \
+                  data.test.src=data/messages/test.en data.test.tgt=data/messages/test.de"
 """
 
 from __future__ import annotations
@@ -64,7 +70,7 @@ def parse_variant(text: str) -> tuple[str, tuple[str, ...]]:
 
 
 def train(config: Path, out: Path, run: Run, budget: list[str], threads: int) -> Outcome:
-    """Train `run` unless its directory holds a finished one; its last validation BLEU."""
+    """Train `run` unless its directory holds a finished one; its best validation BLEU."""
     run_dir = out / run.name
     if not (run_dir / "checkpoints" / "best.pt").exists():
         settings = [*budget, f"train.threads={threads}", f"train.lr={run.lr}", f"train.seed={run.seed}", *run.overrides]
@@ -75,9 +81,11 @@ def train(config: Path, out: Path, run: Run, budget: list[str], threads: int) ->
     return Outcome(run, max(r["step"] for r in records), best)
 
 
-def score(config: Path, out: Path, outcome: Outcome, threads: int) -> Outcome:
-    """The run's best.pt on the test split (the config's decode settings)."""
+def score(config: Path, out: Path, outcome: Outcome, threads: int, common: list[str]) -> Outcome:
+    """The run's best.pt on the test split (the config's, or --common's; the config's decode settings)."""
     run_dir, split = out / outcome.run.name, yaml.safe_load(config.read_text(encoding="utf-8"))["data"]["test"]
+    split = {**split, **{key.rsplit(".", 1)[1]: value for key, _, value in (item.partition("=") for item in common)
+                         if key in ("data.test.src", "data.test.tgt")}}  # fmt: skip
     report = run_dir / "test.json"
     if not report.exists():
         command = [sys.executable, "-m", "seq2seq", "-q", "eval", "-c", str(run_dir / "checkpoints" / "best.pt"),
@@ -102,12 +110,15 @@ def main() -> int:
     budget.add_argument("--seconds", type=float, help="seconds of training per run (train.max_time)")
     parser.add_argument("--jobs", type=int, default=1, help="runs side by side (threads are shared out)")
     parser.add_argument("--json", type=Path, help="also write the study's result here (machine, command, rows)")
+    parser.add_argument("--common", default="", help="key=value overrides for every run (e.g. the corpus)")
     args = parser.parse_args()
     threads = max(1, (os.cpu_count() or 1) // args.jobs)
+    common = args.common.split()
     if args.steps:
         limit = [f"train.max_steps={args.steps}", f"train.valid_every={args.steps}", f"train.save_every={args.steps}"]
     else:
         limit = ["train.max_steps=1000000", f"train.max_time={args.seconds}", "train.valid_every=1000000"]
+    limit += common
     shipped_lr = yaml.safe_load(args.config.read_text(encoding="utf-8"))["train"]["lr"]
     recipes = [("baseline", tuple(args.baseline.split()), args.baseline_lrs)]
     recipes += [(*parse_variant(text), args.lrs or [shipped_lr]) for text in args.variant]
@@ -127,7 +138,7 @@ def main() -> int:
             chosen[outcome.run.recipe] = outcome
     seeds = train_all([Run(o.run.recipe, o.run.overrides, o.run.lr, seed) for o in chosen.values()
                        for seed in range(2, args.seeds + 1)])  # fmt: skip
-    scored = [score(args.config, args.out, outcome, threads) for outcome in [*chosen.values(), *seeds]]
+    scored = [score(args.config, args.out, outcome, threads, common) for outcome in [*chosen.values(), *seeds]]
     rows = _table(sweep, scored)
     print("\n".join(rows))
     if args.json:
