@@ -8,7 +8,6 @@ dotted key, so the user fixes everything in one edit.
 from __future__ import annotations
 
 import dataclasses
-import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,8 +15,9 @@ from typing import Any, Literal
 
 import yaml
 
+from seq2seq.decoding import DecodeConfig
 from seq2seq.errors import UserInputError
-from seq2seq.schema import Bound, build_dataclass, collect_problems
+from seq2seq.schema import build_dataclass, collect_problems
 
 
 @dataclass(frozen=True)
@@ -212,97 +212,6 @@ class TrainConfig:
         if not all(0.0 <= b < 1.0 for b in self.betas):
             found.append(("betas", "expected two numbers in [0, 1)"))
         return found
-
-
-SEED_LIMIT = 2**32  # sampling seeds are 32-bit, as NumPy's and CTranslate2's generators take them
-
-# The range of each decode number, for every front door (config files, --set, the Python API, the
-# server's request schema). The upper ends of the numbers that set the amount of work catch a slip
-# such as beam 5000 before a search starts; the server takes tighter ones (serve.Limits).
-DECODE_BOUNDS = {
-    "beam": Bound(1, 256),
-    "nbest": Bound(1, 256),
-    "patience": Bound(1.0, 8.0),  # fewer than `beam` finished could leave an n-best list short
-    "max_len_a": Bound(0.0, 10.0),
-    "max_len_b": Bound(0, 4096),
-    "min_len": Bound(0),
-    "length_penalty": Bound(0.0, 10.0),
-    "no_repeat_ngram": Bound(0, 32),
-    "batch_tokens": Bound(1, 1_000_000),
-    "temperature": Bound(0.001, 100.0),  # far below 0.01 a sample is the greedy output; 0 would divide by zero
-    "top_k": Bound(0),
-    "top_p": Bound(0.0, 1.0, low_open=True),
-    "epsilon": Bound(0.0, 1.0, high_open=True),
-    "seed": Bound(0, SEED_LIMIT, high_open=True),
-}
-
-
-@dataclass(frozen=True)
-class DecodeConfig:
-    beam: int = 5
-    length_penalty: float = 1.0  # alpha of length_norm power and gnmt; ignored by average and none
-    length_norm: Literal["power", "gnmt", "average", "none"] = "power"
-    max_len_a: float = 1.2  # output at most a * source_length + b tokens
-    max_len_b: int = 10
-    min_len: int = 1
-    nbest: int = 1
-    patience: float = 1.5  # a sentence's beam search ends when beam x patience hypotheses have finished
-    no_repeat_ngram: int = 0  # forbid repeating any n-gram of this size in an output; 0 disables
-    batch_tokens: int = 4096  # source tokens per translation batch
-    sample: bool = False  # draw `nbest` outputs per line from the model instead of searching (beam unused)
-    temperature: float = 1.0  # sampling: the logits are divided by it (< 1 sharpens, > 1 flattens)
-    top_k: int = 0  # sampling: only the k most likely tokens (0: all)
-    top_p: float = 1.0  # sampling: only the most likely tokens whose probabilities sum to top_p (nucleus)
-    epsilon: float = 0.0  # sampling: only tokens of probability > epsilon (the most likely one always)
-    seed: int = 1  # sampling: a line draws the same samples for the same seed, index and settings (0 <= seed < 2^32)
-
-    def normalized_score(self, log_prob: float, length: int) -> float:
-        """How finished hypotheses are ranked: `log_prob` of `length` output tokens (EOS included)."""
-        if self.length_norm == "power":
-            return log_prob / length**self.length_penalty
-        if self.length_norm == "average":
-            return log_prob / length
-        if self.length_norm == "gnmt":
-            return log_prob / ((5 + length) / 6) ** self.length_penalty
-        return log_prob
-
-    @property
-    def finished_per_sentence(self) -> int:
-        """How many finished hypotheses end a sentence's beam search: beam x patience, rounded half
-        away from zero as CTranslate2 rounds it (Kasai et al. 2022, "A Call for Clarity in Beam Search")."""
-        return max(1, math.floor(self.beam * self.patience + 0.5))
-
-    def problems(self) -> list[tuple[str, str]]:
-        hints = typing.get_type_hints(DecodeConfig)
-        found = [(key, problem) for key, bound in DECODE_BOUNDS.items()
-                 if (problem := bound.problem(getattr(self, key), integer=hints[key] is int))]  # fmt: skip
-        if found:
-            return found
-        if self.nbest > self.beam and not self.sample:  # samples are drawn, not kept from a beam
-            found.append(("nbest", f"expected at most beam ({self.beam}), got {self.nbest}"))
-        if self.min_len > self.shortest_limit:  # an EOS could never be allowed in time
-            found.append(("min_len", f"expected at most the length limit of a one-token input, max_len_a x 2 + "
-                                     f"max_len_b = {self.shortest_limit}, got {self.min_len}"))  # fmt: skip
-        return found
-
-    @property
-    def shortest_limit(self) -> int:
-        """The output length limit of the shortest input (one piece and its EOS), as search computes it."""
-        return self.output_limit(2)
-
-    def output_limit(self, source_length: int, *, prefix: int = 0, constraint_tokens: int = 0) -> int:
-        """The most tokens a search may produce for a source of `source_length` pieces (its EOS
-        included): a * length + b, at least 1; with a forced target prefix of `prefix` tokens, at
-        least the prefix and one token more; plus the tokens of its constraints. Both engines and the
-        server's work budget apply it (search.max_output_lengths is its batched form)."""
-        limit = max(1, math.floor(self.max_len_a * source_length + self.max_len_b))
-        return guidance_limit(limit, prefix) + constraint_tokens
-
-
-def guidance_limit(limit: int, prefix_length: int) -> int:
-    """A sentence's output length limit with a forced target prefix of `prefix_length` tokens: at
-    least the prefix and one token more (both engines apply it)."""
-    return max(limit, prefix_length + 1) if prefix_length else limit
 
 
 @dataclass(frozen=True)

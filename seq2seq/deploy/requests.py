@@ -9,35 +9,27 @@ from __future__ import annotations
 
 import json
 import math
-import typing
+from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from seq2seq.config import DECODE_BOUNDS, DecodeConfig
+from seq2seq.decoding import DecodeConfig, declarations
 from seq2seq.errors import UserInputError
 from seq2seq.inference.admission import LinePlan, Names
 from seq2seq.inference.translator import Translator
 
-SERVER_OWN = ("batch_tokens",)  # decode settings the server keeps to itself: how it batches is its business
+SERVED = {option.name: option for option in declarations() if option.served}  # the decode options a request may set
 
 
-def decode_fields() -> dict[str, type]:
-    """The decode settings a request may set, and the JSON type each must have (a number is a number,
-    never a string that parses as one): every DecodeConfig field but the server's own."""
-    kinds = {}
-    for name, hint in typing.get_type_hints(DecodeConfig).items():
-        if name not in SERVER_OWN:
-            kinds[name] = str if typing.get_origin(hint) is typing.Literal else hint
-    return kinds
-
-
-DECODE_FIELDS = decode_fields()
+def _served_maxima() -> dict[str, float]:
+    return {option.name: option.served_max for option in SERVED.values() if option.served_max is not None}
 
 
 @dataclass(frozen=True)
 class Limits:
-    """What one request may ask for, and how much the server takes on: every number that sets the
-    amount of work is bounded here (the decode maxima of config.py are looser: they guard files)."""
+    """What one request may ask for, and how much the server takes on. The decode options that set
+    the amount of work take the server's maxima declared with them (decoding.py), tighter than the
+    config's, which guard files; `decode_maxima` may tighten them further."""
 
     max_lines: int = 64  # lines per request
     max_chars: int = 2000  # characters per line (checked first: SentencePiece never sees more)
@@ -47,18 +39,12 @@ class Limits:
     batch_wait: float = 0.005  # seconds the worker waits for more requests to batch with
     max_queue: int = 256  # requests waiting or in translation; more are answered 503
     request_timeout: float = 60.0  # seconds a request may take, waiting and translating
-    max_beam: int = 16
-    max_patience: float = 4.0
-    max_len_a: float = 4.0
-    max_len_b: int = 256
-    max_no_repeat_ngram: int = 8
     max_constraints: int = 8  # terminology constraints per line (each one widens that line's search)
+    decode_maxima: Mapping[str, float] = field(default_factory=_served_maxima)
 
-    def bounds(self) -> dict[str, float]:
-        """Each bounded decode field and its largest allowed value (nbest is bounded by beam)."""
-        return {"beam": self.max_beam, "nbest": self.max_beam, "patience": self.max_patience,
-                "max_len_a": self.max_len_a, "max_len_b": self.max_len_b,
-                "no_repeat_ngram": self.max_no_repeat_ngram}  # fmt: skip
+    def maximum(self, name: str) -> float | None:
+        """A decode option's largest value on this server (None: the config's bound alone)."""
+        return self.decode_maxima.get(name)
 
 
 def request_schema(limits: Limits, kind: str) -> dict:
@@ -67,15 +53,16 @@ def request_schema(limits: Limits, kind: str) -> dict:
     text = {"type": "string", "maxLength": limits.max_chars}
     texts = {"type": "array", "items": text, "maxItems": limits.max_lines}
     json_types = {int: "integer", float: "number", str: "string", bool: "boolean"}
-    hints, decode = typing.get_type_hints(DecodeConfig), {}
-    for name, kind_of in DECODE_FIELDS.items():
-        decode[name] = {"type": json_types[kind_of]}
-        if typing.get_origin(hints[name]) is typing.Literal:
-            decode[name]["enum"] = list(typing.get_args(hints[name]))
-        if name in DECODE_BOUNDS:
-            decode[name].update(DECODE_BOUNDS[name].json_schema())
-        if name in limits.bounds():  # the server's own, tighter
-            decode[name]["maximum"] = limits.bounds()[name]
+    decode = {}
+    for name, option in SERVED.items():
+        decode[name] = {"type": json_types[option.kind], "description": option.help}
+        if option.choices:
+            decode[name]["enum"] = list(option.choices)
+        if option.bound is not None:
+            decode[name].update(option.bound.json_schema())
+        if limits.maximum(name) is not None:  # the server's own, tighter
+            decode[name].pop("exclusiveMaximum", None)
+            decode[name]["maximum"] = limits.maximum(name)
     if kind == "score":
         properties, required = {"sources": texts, "targets": texts}, ["sources", "targets"]
     else:
@@ -175,7 +162,7 @@ def _texts(
     if not isinstance(body, dict):
         raise RequestError(422, f'expected a JSON object such as {{"{key}": ["..."]}}')
     if count is None:
-        known = {key, *extra, *DECODE_FIELDS}
+        known = {key, *extra, *SERVED}
         unknown = sorted(set(body) - known)
         if unknown:
             named = ", ".join(name if len(name) <= 40 else name[:37] + "..." for name in unknown)
@@ -211,13 +198,13 @@ def _constraints(value: object, count: int, limits: Limits) -> list[list[str]]:
 def _decode(body: dict, translator: Translator, limits: Limits) -> DecodeConfig:
     """The request's decode fields, typed and bounded, on the model's defaults; what the engine does
     not do (an explicit seed on CTranslate2) is refused here too."""
-    options = {key: body[key] for key in DECODE_FIELDS if key in body}
+    options = {key: body[key] for key in SERVED if key in body}
     for key, value in options.items():
-        if not _has_json_type(value, DECODE_FIELDS[key]):
-            kinds = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
-            expected = kinds[DECODE_FIELDS[key]]
+        kind = SERVED[key].kind
+        if not _has_json_type(value, kind):
+            expected = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}[kind]
             raise RequestError(422, f"{key}: expected {expected}, got {shortened(value)}")
-        most = limits.bounds().get(key)
+        most = limits.maximum(key)
         if most is not None and value > most:
             raise RequestError(422, f"{key}: at most {most} on this server, got {value}")
     try:

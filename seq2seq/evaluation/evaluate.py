@@ -12,8 +12,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from seq2seq.config import DecodeConfig
 from seq2seq.data.sources import read_lines
+from seq2seq.decoding import DecodeConfig
 from seq2seq.errors import UserInputError
 from seq2seq.evaluation.scoring import ScoreOptions, Scores, read_text_file, score
 from seq2seq.files import check_writable, write_text_atomic

@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from seq2seq.config import DecodeConfig
 from seq2seq.data.sources import normalize
+from seq2seq.decoding import DecodeConfig
 from seq2seq.errors import UserInputError
 
 if TYPE_CHECKING:

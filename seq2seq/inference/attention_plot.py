@@ -11,10 +11,10 @@ matplotlib.use("Agg")  # files only; no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
-from seq2seq.config import DecodeConfig  # noqa: E402
 from seq2seq.data.batching import pad  # noqa: E402
 from seq2seq.data.special_tokens import BOS_ID  # noqa: E402
 from seq2seq.data.tokenizer import Tokenizer  # noqa: E402
+from seq2seq.decoding import DecodeConfig  # noqa: E402
 from seq2seq.files import save_png  # noqa: E402
 from seq2seq.inference.search import search  # noqa: E402
 

@@ -29,8 +29,9 @@ from pathlib import Path
 import ctranslate2
 import sentencepiece as spm
 
-from seq2seq.config import Config, DecodeConfig, config_from_dict, guidance_limit
+from seq2seq.config import Config, config_from_dict
 from seq2seq.data.sources import normalize
+from seq2seq.decoding import DecodeConfig, guidance_limit
 from seq2seq.errors import UserInputError
 from seq2seq.inference.engine import (
     EXPORT_METADATA,
@@ -43,7 +44,6 @@ from seq2seq.inference.engine import (
 
 NEGLIGIBLE_EXPONENT = 1e-9  # length^1e-9 is 1 within 1e-8 relative: the order of raw log-probabilities
 SMALLEST_POSITION_TABLE = 1024  # CTranslate2's own default input limit
-TO_CHECKPOINT = "translate with the checkpoint (.pt) instead of the exported model"
 
 
 def position_table_size(config: Config) -> int:
@@ -74,13 +74,9 @@ def load_exported(directory: Path, *, device: str | None = None) -> tuple[Decode
 class CTranslate2Engine:
     """engine.Engine over an exported model: CTranslate2 with the model's SentencePiece models."""
 
-    name = "ctranslate2"
-    unsupported = {
-        "constraints": f"terminology constraints: CTranslate2 has no constrained search; {TO_CHECKPOINT}",
-        "epsilon": f"decode.epsilon: CTranslate2 has no epsilon sampling; set decode.epsilon=0 or {TO_CHECKPOINT}",
-        "seed": "decode.seed: CTranslate2 cannot draw the same samples again from a seed (its generators belong "
-        f"to its threads); leave decode.seed unset for samples that differ each time, or {TO_CHECKPOINT}",
-    }
+    name, title = "ctranslate2", "CTranslate2"
+    instead = "translate with the checkpoint (.pt) instead of the exported model"
+    constrained_search = False  # its issue #739
 
     def __init__(self, runtime: ctranslate2.Translator, src: spm.SentencePieceProcessor,
                  tgt: spm.SentencePieceProcessor, *, max_positions: int) -> None:  # fmt: skip

@@ -5,20 +5,20 @@ exported model.
 An engine turns lines into n-best lists under given decode settings, and scores given pairs; it knows nothing of
 `Translator`, so adding one (a new runtime, a remote service) touches no other engine. Today's two:
 pytorch_engine.py (a checkpoint, our search) and ctranslate2_engine.py (an exported directory).
-An engine declares what it cannot do (`unsupported`) and how long a line its model can place
-(`max_positions`); the Translator and the server refuse such requests from those declarations
-before any work (admission.py), never inside the engine.
+An engine declares whether it runs constrained search and how long a line its model can place
+(`max_positions`); which decode options it honours is declared with each option (decoding.py).
+The Translator and the server refuse what an engine cannot do from those declarations before any
+work (admission.py), never inside the engine.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from seq2seq.config import DecodeConfig
+from seq2seq.decoding import DecodeConfig
 from seq2seq.errors import UserInputError
 
 if TYPE_CHECKING:
@@ -51,22 +51,6 @@ class PairScore:
         return sum(self.log_probs)
 
 
-# The optional features of a translation, and when a request uses each: an engine that lacks one
-# names it in `unsupported`, with the reason its users read.
-FEATURES = ("constraints", "epsilon", "seed")
-
-
-def features_used(decode: DecodeConfig, *, given: Collection[str] = (), constrained: bool = False) -> list[str]:
-    """The FEATURES a translation uses: terminology constraints; epsilon sampling; a sampling seed that
-    the caller set (`given`: the decode keys set for this call), i.e. a promise of reproducible samples."""
-    used = ["constraints"] if constrained else []
-    if decode.sample and decode.epsilon:
-        used.append("epsilon")
-    if decode.sample and "seed" in given:
-        used.append("seed")
-    return used
-
-
 class DeadlinePassed(Exception):
     """The work was stopped at its deadline (the client stopped waiting): nothing was returned."""
 
@@ -75,8 +59,10 @@ class Engine(Protocol):
     """Translates lines with complete decode settings; one Translation per line, in input order (an
     empty line gets an empty one)."""
 
-    name: str  # "pytorch", "ctranslate2": reports and /health say which engine answered
-    unsupported: Mapping[str, str]  # feature (of FEATURES) -> why this engine refuses it
+    name: str  # "pytorch", "ctranslate2": reports and /health say which engine answered; decoding.py's engines
+    title: str  # how messages name it: "CTranslate2"
+    instead: str  # what a user can do when it lacks something: "translate with the checkpoint ..."
+    constrained_search: bool  # terminology constraints
     max_positions: int | None  # the longest source (EOS included) and output its model places; None: any
     source_model: SentencePieceProcessor
     target_model: SentencePieceProcessor

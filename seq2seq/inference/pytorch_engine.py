@@ -8,11 +8,11 @@ import time
 import numpy as np
 import torch
 
-from seq2seq.config import DecodeConfig
 from seq2seq.data.batching import pad, token_batches
 from seq2seq.data.sources import normalize
 from seq2seq.data.special_tokens import BOS_ID, EOS_ID
 from seq2seq.data.tokenizer import Tokenizer
+from seq2seq.decoding import DecodeConfig
 from seq2seq.inference.engine import DeadlinePassed, PairScore, Translation
 from seq2seq.inference.graphed_decoder import GraphedDecoder, graphs_apply
 from seq2seq.inference.search import Guidance, search
@@ -22,8 +22,8 @@ from seq2seq.progress import progress_bar
 class PyTorchEngine:
     """engine.Engine over a model in memory (a loaded checkpoint, or the model being trained)."""
 
-    name = "pytorch"
-    unsupported: dict[str, str] = {}  # our search does everything a request may ask
+    name, title, instead = "pytorch", "our PyTorch search", ""  # it does everything a request may ask
+    constrained_search = True
     max_positions = None  # sinusoidal positions: a line of any length is translated in full
 
     def __init__(self, model: torch.nn.Module, tokenizer: Tokenizer) -> None:

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from seq2seq.config import DecodeConfig
+from seq2seq.decoding import DecodeConfig
 
 
 def sampling_candidates(log_probs: Tensor, config: DecodeConfig) -> tuple[Tensor, Tensor | None]:

@@ -26,8 +26,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from seq2seq.config import DecodeConfig, guidance_limit
 from seq2seq.data.special_tokens import BOS_ID, EOS_ID, PAD_ID, padding_mask
+from seq2seq.decoding import DecodeConfig, guidance_limit
 from seq2seq.inference.constraints import ConstrainedBeams, Constraints, padded
 from seq2seq.inference.engine import DeadlinePassed
 from seq2seq.inference.sampling import draw_tokens, sample_uniforms

@@ -25,12 +25,13 @@ from typing import Any, TextIO
 
 from tqdm import tqdm
 
-from seq2seq.config import DecodeConfig, decode_config_from, decode_config_with
+from seq2seq.config import decode_config_from, decode_config_with
 from seq2seq.data.sources import chunked, decode_lines, read_lines
+from seq2seq.decoding import DecodeConfig, refusals
 from seq2seq.errors import UserInputError
 from seq2seq.files import atomic_write, check_writable
 from seq2seq.inference.admission import LinePlan, Names, plan_scoring, plan_translation, unspellable
-from seq2seq.inference.engine import EXPORT_METADATA, Engine, PairScore, Translation, features_used
+from seq2seq.inference.engine import EXPORT_METADATA, Engine, PairScore, Translation
 from seq2seq.inference.glossary import Glossary, constraint_fields, merged_constraints
 from seq2seq.progress import progress_bar
 
@@ -121,11 +122,15 @@ class Translator:
         return decode
 
     def check_supported(self, decode: DecodeConfig, *, given: Iterable[str] = (), constrained: bool = False) -> None:
-        """Refuse, in one line, what these settings ask that the engine does not do (engine.FEATURES)."""
+        """Refuse, in one line each, what these settings ask that the engine does not do: an option it
+        does not honour (declared with the option, decoding.py), or constraints without constrained search."""
         if constrained and decode.sample:
             raise UserInputError("terminology constraints need beam search; they cannot be sampled (decode.sample)")
-        refused = [self._engine.unsupported[feature] for feature in features_used(decode, given=set(given),
-                   constrained=constrained) if feature in self._engine.unsupported]  # fmt: skip
+        engine = self._engine
+        refused = [f"decode.{option.name}: {engine.title} has no {lacking}; leave it out, or {engine.instead}"
+                   for option, lacking in refusals(decode, engine.name, given=set(given))]  # fmt: skip
+        if constrained and not engine.constrained_search:
+            refused.append(f"terminology constraints: {engine.title} has no constrained search; {engine.instead}")
         if refused:
             raise UserInputError("\n".join(refused))
 

@@ -9,10 +9,11 @@ from dataclasses import dataclass
 
 import torch
 
-from seq2seq.config import DecodeConfig, TrainConfig
+from seq2seq.config import TrainConfig
 from seq2seq.data.batching import epoch_batches, make_batch
 from seq2seq.data.prepare import TrainingData
 from seq2seq.data.tokenizer import Tokenizer
+from seq2seq.decoding import DecodeConfig
 from seq2seq.evaluation.evaluate import translate_and_score
 from seq2seq.evaluation.scoring import Scores
 from seq2seq.inference.translator import Translator

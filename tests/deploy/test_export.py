@@ -233,7 +233,7 @@ def test_epsilon_sampling_or_a_seed_on_an_exported_model_is_one_line(exported_mo
     _, exported, lines = exported_model
     with pytest.raises(UserInputError, match="decode.epsilon: CTranslate2 has no epsilon sampling"):
         exported.translate(lines[:1], sample=True, epsilon=0.01)
-    with pytest.raises(UserInputError, match="decode.seed: CTranslate2 cannot draw the same samples again"):
+    with pytest.raises(UserInputError, match="decode.seed: CTranslate2 has no samples that repeat from a seed"):
         exported.settings(sample=True, seed=3)
     with pytest.raises(UserInputError, match="decode.seed: CTranslate2"):
         exported.settings(["decode.sample=true", "decode.seed=3"])

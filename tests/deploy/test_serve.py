@@ -112,7 +112,7 @@ class Gate:
 
     def __init__(self, engine) -> None:
         self.engine, self.entered, self.opened, self.calls = engine, threading.Event(), threading.Event(), []
-        for name in ("name", "unsupported", "max_positions", "source_model", "target_model"):
+        for name in ("name", "title", "instead", "constrained_search", "max_positions", "source_model", "target_model"):
             setattr(self, name, getattr(engine, name))
 
     def translate(self, lines, *args, **kwargs):
@@ -337,7 +337,7 @@ class WordPieces:
 class StalledEngine:
     """An engine that waits for `release` (a request in flight as long as a test wants) or fails."""
 
-    name, unsupported, max_positions = "stalled", {}, None
+    name, title, instead, constrained_search, max_positions = "stalled", "a stalled engine", "", True, None
     source_model = target_model = WordPieces()
 
     def __init__(self, *, fail: bool = False) -> None:

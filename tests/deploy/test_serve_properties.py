@@ -27,8 +27,9 @@ ANY_JSON = st.recursive(
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3),
     max_leaves=6,
 )
-LIMITS = {"max_lines": 3, "max_chars": 40, "max_tokens_per_line": 24, "max_work": 20_000, "max_beam": 4,
-          "max_len_b": 20, "max_constraints": 2, "batch_wait": 0.0}  # fmt: skip
+LIMITS = {"max_lines": 3, "max_chars": 40, "max_tokens_per_line": 24, "max_work": 20_000, "max_constraints": 2,
+          "batch_wait": 0.0, "decode_maxima": {"beam": 4, "nbest": 4, "patience": 2.0, "max_len_a": 2.0,
+                                               "max_len_b": 20, "no_repeat_ngram": 4}}  # fmt: skip
 
 
 def text(schema: dict) -> st.SearchStrategy:
