@@ -291,18 +291,21 @@ def evaluate(
     hypotheses_path: Annotated[
         Optional[Path], typer.Option("--hyps", help="Also write the translations here.", show_default=False)  # noqa: UP045
     ] = None,
+    overrides: SetOption = None,
 ) -> None:
     """Translate --src and score it against --ref with sacrebleu (scores with their signatures).
 
     Examples:
       seq2seq eval -c runs/demo/checkpoints/best.pt --src data/demo/test.en --ref data/demo/test.xx
       seq2seq eval -c models/bible-int8 --src test.en --ref test.es --ref test2.es --metrics bleu,chrf++,ter
+      seq2seq eval -c best.pt --src data/demo/test.en --ref data/demo/test.xx --set decode.length_penalty=0.6
     """
     from seq2seq.evaluation.evaluate import evaluate_files
 
     options = _score_options(metrics, tokenize, lowercase)
-    evaluation = evaluate_files(checkpoint, src=src, refs=refs, decode_overrides=_decode_overrides(None, beam, None),
-                                options=options, hypotheses_path=hypotheses_path, json_path=json_path)  # fmt: skip
+    decode_overrides = _decode_overrides(overrides, beam, None)
+    evaluation = evaluate_files(checkpoint, src=src, refs=refs, decode_overrides=decode_overrides, options=options,
+                                hypotheses_path=hypotheses_path, json_path=json_path)  # fmt: skip
     typer.echo(evaluation.scores.describe())
 
 

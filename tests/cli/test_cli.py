@@ -199,6 +199,11 @@ def test_eval_prints_signatures_and_writes_json(trained_run, tmp_path):
     assert bleu["score"] == pytest.approx(expected.score) and bleu["precisions"] == pytest.approx(
         expected.precisions, abs=1e-3
     )
+    shorter = invoke("eval", "-c", run_dir / "checkpoints" / "best.pt", "--src", data / "test.en", "--ref",
+                     data / "test.xx", "--beam", "1", "--set", "decode.max_len_a=0", "--set", "decode.max_len_b=2",
+                     "--hyps", tmp_path / "short.txt")  # fmt: skip
+    assert shorter.exit_code == 0, shorter.output  # eval takes --set decode.KEY=VALUE, as translate does
+    assert max(len(line.split()) for line in (tmp_path / "short.txt").read_text().splitlines()) <= 2
     assert bleu["signature"] in result.stdout
 
 
