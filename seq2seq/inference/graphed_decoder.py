@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from seq2seq.data.special_tokens import BOS_ID
-from seq2seq.model.layers import Memory, Rows
+from seq2seq.model.execution import Memory, Rows
 from seq2seq.model.transformer import Seq2SeqTransformer
 
 LENGTH_STEP = 32  # buffers hold a multiple of this many positions; they double when a search outgrows them
@@ -34,7 +34,7 @@ KEPT_GRAPHS = 4  # captured step graphs kept for reuse by later batches of the s
 
 class StaticLayerCache:
     """One decoder layer's keys/values in fixed buffers: self-attention (N, h, max_length, hd) for the
-    N physical rows, cross-attention (B, h, S, hd) for the B sentences (layers.LayerCache's fields)."""
+    N physical rows, cross-attention (B, h, S, hd) for the B sentences (execution.LayerCache's fields)."""
 
     def __init__(self, *, rows: int, sentences: int, source_length: int, max_length: int, heads: int,
                  head_dim: int, position: Tensor, dtype: torch.dtype) -> None:  # fmt: skip

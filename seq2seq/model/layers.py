@@ -1,180 +1,23 @@
-"""Transformer building blocks: multi-head attention with a KV cache, feed-forward, encoder and decoder layers.
+"""The Transformer's layers as the paper writes them: multi-head attention, the position-wise
+feed-forward block, the residual connection with its LayerNorm, and the encoder and decoder layers.
 
-Weights use the standard layout (separate q/k/v/out projections, fc1/fc2, one LayerNorm per
-sub-layer) so they map one-to-one onto fairseq/Marian/CTranslate2 Transformer checkpoints.
+How they run fast is execution.py's: a layer's activations are flat rows (`rows` maps them to
+(batch, length) where attention needs it), `attention` picks the kernel, and the caches keep the
+decoder's keys and values. Weights use the standard layout (separate q/k/v/out projections,
+fc1/fc2, one LayerNorm per sub-layer) so they map one-to-one onto fairseq/Marian/CTranslate2
+Transformer checkpoints.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import cached_property, partial
+from functools import partial
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from seq2seq.config import ModelConfig
-from seq2seq.model.dropout import Dropout, dropout
-
-ROW_MULTIPLE = 64
-
-
-def row_multiple(device: torch.device) -> int:
-    """The multiple that a stack pads its rows to: ROW_MULTIPLE for bf16 on CPU (see Rows), else 1."""
-    return ROW_MULTIPLE if device.type == "cpu" and torch.is_autocast_enabled("cpu") else 1
-
-
-@dataclass(frozen=True)
-class Rows:
-    """Where a (batch, length) block of positions lies in a stack's flat (padded, d) activations.
-
-    Why flat: every linear, LayerNorm and dropout works on rows, and only attention, which needs
-    the (batch, length) structure, views them as such. That lets a stack skip what costs time and
-    changes nothing:
-
-    - PAD positions (`tokens`, on CPU). Token-bucketed batches still hold PAD positions, on both
-      sides; their rows were computed and thrown away. With `tokens`, the flat rows are the token
-      positions alone, and attention sees the PAD positions as zero rows: masked as keys (source
-      padding mask; a target's PADs trail it, so causal masking hides them), and their queries'
-      outputs are dropped. The matrix products of a step shrink by the PAD share (README,
-      Performance: that share on the Bible config, and the speed it gave). On a GPU every position
-      is kept: listing the token positions there (nonzero) would make the host wait for the device.
-    - oneDNN's kernel cache. oneDNN, which runs PyTorch's bf16 matmuls on CPU, compiles and caches
-      a kernel (0.3-4 MiB) for every new row count of a linear layer, forward and backward. A batch's
-      row count keeps changing, so that cache, and RSS, crept by ~80 MiB per 1,000 steps. A stack
-      pads its rows once, with at most `multiple` - 1 zero rows, and keeps them; attention reads
-      only the first `used` rows, so results and gradients are those of the unpadded model. Padding
-      each linear's input and slicing its output instead cost 5.6% of a step in copies.
-    """
-
-    batch: int
-    length: int
-    multiple: int = 1
-    tokens: Tensor | None = None  # flat indices into batch x length of the rows kept; None: all of them
-
-    @classmethod
-    def of(cls, keep: Tensor, multiple: int) -> Rows:
-        """The rows of a (batch, length) block whose positions to compute are True in `keep`: only
-        those on a CPU (when some are not), every one elsewhere."""
-        tokens = None
-        if keep.device.type == "cpu":
-            tokens = keep.reshape(-1).nonzero().squeeze(1)
-            if tokens.numel() == keep.numel():
-                tokens = None
-        return cls(keep.size(0), keep.size(1), multiple, tokens)
-
-    @property
-    def used(self) -> int:
-        return self.batch * self.length if self.tokens is None else self.tokens.numel()
-
-    @property
-    def padded(self) -> int:
-        return self.used + (-self.used % self.multiple)
-
-    def flatten(self, x: Tensor) -> Tensor:
-        """(batch, length, ...features) -> (padded, features): the kept positions, then zero rows."""
-        flat = x.reshape(self.batch * self.length, -1)
-        if self.tokens is not None:
-            flat = flat.index_select(0, self.tokens)
-        return flat if self.padded == self.used else F.pad(flat, (0, 0, 0, self.padded - self.used))
-
-    def unflatten(self, x: Tensor) -> Tensor:
-        """(padded, features) -> (batch, length, features), zeros where a position was not kept."""
-        kept = x[: self.used]
-        if self.tokens is not None:
-            kept = kept.new_zeros(self.batch * self.length, x.size(-1)).index_copy(0, self.tokens, kept)
-        return kept.view(self.batch, self.length, x.size(-1))
-
-
-class Memory:
-    """The encoder output (B, S, d) as the decoder layers read it: flat rows of the source positions
-    that src_mask (B, 1, 1, S) keeps, made on first use.
-
-    With a filled cache the decoder reads the encoder's keys/values from it, so an incremental
-    search step pays for neither flattening the memory nor listing its positions again.
-    """
-
-    def __init__(self, memory: Tensor, src_mask: Tensor, multiple: int) -> None:
-        self._memory, self._src_mask, self._multiple = memory, src_mask, multiple
-
-    @cached_property
-    def rows(self) -> Rows:
-        return Rows.of(self._src_mask[:, 0, 0], self._multiple)
-
-    @cached_property
-    def flat(self) -> Tensor:
-        """(rows.padded, d)"""
-        return self.rows.flatten(self._memory)
-
-
-@dataclass
-class LayerCache:
-    """One decoder layer's cached keys/values, each (B, heads, T, head_dim), grown by one step at a time."""
-
-    self_k: Tensor | None = None
-    self_v: Tensor | None = None
-    cross_k: Tensor | None = None
-    cross_v: Tensor | None = None
-
-    def extend(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
-        """Append the new positions' k, v (B, h, T_new, hd); return all keys, values and the causal mask
-        (T_new, T_all) that the new positions attend with (None for a single new position)."""
-        past = 0 if self.self_k is None else self.self_k.size(2)
-        if past:
-            k, v = torch.cat([self.self_k, k], dim=2), torch.cat([self.self_v, v], dim=2)
-        self.self_k, self.self_v = k, v
-        return k, v, _causal_mask(k.size(2) - past, past, k.device)
-
-
-class DecoderCache:
-    """Per-layer caches for incremental decoding (search.SearchCache); `length` is how many target
-    positions are cached, so the model knows the position of the next one."""
-
-    def __init__(self, num_layers: int) -> None:
-        self.layers = [LayerCache() for _ in range(num_layers)]
-
-    @property
-    def length(self) -> int:
-        first = self.layers[0].self_k
-        return 0 if first is None else first.size(2)
-
-    def reorder(self, rows: Tensor) -> None:
-        """Keep (and repeat) only the given rows of the self-attention cache, e.g. surviving beams.
-
-        The cross-attention cache is left alone: beams of one sentence share the same encoder output.
-        """
-        for layer in self.layers:
-            layer.self_k = layer.self_k.index_select(0, rows)
-            layer.self_v = layer.self_v.index_select(0, rows)
-
-    def select(self, rows: Tensor, sentences: Tensor) -> None:
-        """Keep only the given target rows and source sentences (finished sentences leave the batch)."""
-        self.reorder(rows)
-        for layer in self.layers:
-            layer.cross_k = layer.cross_k.index_select(0, sentences)
-            layer.cross_v = layer.cross_v.index_select(0, sentences)
-
-
-# Every fused attention kernel but cuDNN's. PyTorch picks cuDNN's first on Hopper GPUs in bf16/fp16, and
-# it builds a cuDNN graph for each new (batch, heads, lengths) shape: ~6 ms of host time per call (torch
-# profiler on an H100: 7.0 ms per backward, 6.0 per forward). Token-bucketed batches have a new shape at
-# almost every step, so bf16 training of Transformer-base ran at 36k tokens/s against fp32's 99k (README,
-# GPU). Flash and memory-efficient attention take any shape at no host cost; the math path backs them up.
-FUSED_ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-# The same kernels, memory-efficient first, for sequences of at most SHORT_ATTENTION positions on a GPU.
-# Flash attention works in tiles of 128 positions, so a ~40-token sentence leaves most of each tile idle;
-# the memory-efficient kernel is faster there, flash past ~100 positions (scripts/benchmark_attention.py
-# measures both; its figures are in the README, GPU).
-SHORT_ATTENTION = 96
-SHORT_ATTENTION_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
-
-
-def _gpu_attention_backends(query_length: int, key_length: int) -> list[SDPBackend]:
-    """The fused attention kernels to try on a GPU, in order of preference for these lengths."""
-    if max(query_length, key_length) <= SHORT_ATTENTION:
-        return SHORT_ATTENTION_BACKENDS
-    return FUSED_ATTENTION_BACKENDS
+from seq2seq.model.dropout import Dropout
+from seq2seq.model.execution import LayerCache, Memory, Rows, attention, probabilities
 
 
 class MultiHeadAttention(nn.Module):
@@ -205,60 +48,12 @@ class MultiHeadAttention(nn.Module):
         mask broadcasts to (B, h, Tq, Tk), True = may attend.
         """
         q = self.split_heads(rows.unflatten(self.q_proj(query)))
-        dropout_p = self.dropout if self.training else 0.0
-        if q.device.type == "cpu" and q.dtype == torch.bfloat16:
-            out = _cpu_bf16_attention(q, k, v, mask=mask, is_causal=is_causal, dropout_p=dropout_p)
-        elif q.device.type == "cuda":
-            with sdpa_kernel(_gpu_attention_backends(q.size(-2), k.size(-2)), set_priority=True):
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
-        else:
-            with sdpa_kernel(FUSED_ATTENTION_BACKENDS):
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
+        out = attention(q, k, v, mask=mask, is_causal=is_causal, dropout_p=self.dropout if self.training else 0.0)
         return self.out_proj(rows.flatten(out.transpose(1, 2)))
 
     def weights(self, query: Tensor, rows: Rows, k: Tensor, mask: Tensor | None) -> Tensor:
         """The attention probabilities (B, h, Tq, Tk), for plots; the fused kernel does not return them."""
-        return _probabilities(self.split_heads(rows.unflatten(self.q_proj(query))), k, mask, is_causal=False)
-
-
-def _cpu_bf16_attention(
-    q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, is_causal: bool, dropout_p: float
-) -> Tensor:
-    """Attention of bf16 q, k, v on a CPU, computed in fp32 and returned in bf16.
-
-    In fp32 because PyTorch's fused CPU kernel is ~3x slower in bf16, and a bf16 batched matmul makes
-    oneDNN compile and keep a kernel (~1.5 MiB) for every (batch, length, length) shape it meets,
-    which change with every batch (README, Performance: memory). Through the fused kernel because
-    the explicit softmax(q k^T) v allocates the (B, h, Tq, Tk) scores, probabilities and their
-    gradients, in sizes that change with every batch too, and glibc's heap kept holes of them: on
-    the bible config, 200-step probes of the fused path peaked ~80 MiB lower per window and stepped
-    11% faster than the explicit one (README, Performance: memory). PyTorch's fused CPU kernels have
-    no attention dropout; with it, the explicit path, which uses our cheap dropout mask.
-    """
-    with torch.autocast(q.device.type, enabled=False):
-        if dropout_p == 0.0:
-            with sdpa_kernel(FUSED_ATTENTION_BACKENDS):
-                out = F.scaled_dot_product_attention(
-                    q.float(), k.float(), v.float(), attn_mask=mask, is_causal=is_causal
-                )
-        else:
-            out = dropout(_probabilities(q, k, mask, is_causal), dropout_p, training=True) @ v.float()
-    return out.to(v.dtype)
-
-
-def _probabilities(q: Tensor, k: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor:
-    """softmax(q k^T / sqrt(head_dim)) over keys, (B, h, Tq, Tk), in fp32; masked keys get probability 0.
-
-    Scores rounded to bf16 (8-bit mantissa, ~0.4% relative error) cost the demo 0.6 BLEU on average
-    (README, Performance); fused kernels keep them in fp32 too.
-    """
-    with torch.autocast(q.device.type, enabled=False):
-        scores = (q.float() @ k.float().transpose(-2, -1)) * q.size(-1) ** -0.5
-    if is_causal:
-        mask = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    return scores.softmax(-1)
+        return probabilities(self.split_heads(rows.unflatten(self.q_proj(query))), k, mask, is_causal=False)
 
 
 class FeedForward(nn.Module):
@@ -362,13 +157,8 @@ class DecoderLayer(nn.Module):
         self, h: Tensor, rows: Rows, memory: Memory, src_mask: Tensor, cache: LayerCache | None
     ) -> Tensor:
         k, v = self._memory_kv(memory, cache)
-        sentences = k.size(0)
-        if rows.batch != sentences:
-            # Beams of one sentence share its encoder output: fold them into the query length, so the
-            # encoder keys/values are stored, reordered and attended once per sentence, not per beam.
-            # The flat rows, and the flat index of each, are the same; only their (batch, length) reading changes.
-            rows = Rows(sentences, rows.batch * rows.length // sentences, rows.multiple, rows.tokens)
-        return self.cross_attn.attend(h, rows, k, v, mask=src_mask)
+        # beams of one sentence share its encoder output: they attend to it as one sentence
+        return self.cross_attn.attend(h, rows.per_sentence(k.size(0)), k, v, mask=src_mask)
 
     def _memory_kv(self, memory: Memory, cache: LayerCache | None) -> tuple[Tensor, Tensor]:
         if cache is None:
@@ -376,10 +166,3 @@ class DecoderLayer(nn.Module):
         if cache.cross_k is None:  # computed once per sentence, reused at every step
             cache.cross_k, cache.cross_v = self.cross_attn.project_kv(memory.flat, memory.rows)
         return cache.cross_k, cache.cross_v
-
-
-def _causal_mask(new: int, past: int, device: torch.device) -> Tensor | None:
-    """(new, past + new) bool mask letting position past+i see positions <= past+i; None when new == 1."""
-    if new == 1:
-        return None
-    return torch.ones(new, past + new, dtype=torch.bool, device=device).tril(diagonal=past)

@@ -16,7 +16,8 @@ from torch import Tensor, nn
 from seq2seq.config import ModelConfig
 from seq2seq.data.special_tokens import PAD_ID, padding_mask
 from seq2seq.model.dropout import Dropout
-from seq2seq.model.layers import DecoderCache, DecoderLayer, EncoderLayer, Memory, Rows, row_multiple
+from seq2seq.model.execution import DecoderCache, Memory, Rows, row_multiple
+from seq2seq.model.layers import DecoderLayer, EncoderLayer
 
 
 def sinusoidal_positions(positions: Tensor, d_model: int) -> Tensor:
@@ -77,7 +78,7 @@ class Seq2SeqTransformer(nn.Module):
 
     def encode(self, src: Tensor, src_mask: Tensor) -> Tensor:
         """src (B, S) ids, src_mask (B, 1, 1, S) -> memory (B, S, d); zeros where src_mask is False."""
-        rows = Rows.of(src_mask[:, 0, 0], row_multiple(src.device))  # layers.Rows: why the stack runs on flat rows
+        rows = Rows.of(src_mask[:, 0, 0], row_multiple(src.device))  # execution.Rows: why the stack runs on flat rows
         x = rows.flatten(self.embed(self.src_embed, src, 0))
         for layer in self.encoder_layers:
             if not self._skipped(self.config.encoder_layerdrop):

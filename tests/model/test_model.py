@@ -11,8 +11,8 @@ from torch import Tensor, nn
 
 from seq2seq.config import ModelConfig
 from seq2seq.data.special_tokens import PAD_ID, padding_mask
+from seq2seq.model.execution import ROW_MULTIPLE, Memory, Rows, _cpu_bf16_attention
 from seq2seq.model.interop import to_torch_transformer
-from seq2seq.model.layers import ROW_MULTIPLE, Memory, Rows, _cpu_bf16_attention
 from seq2seq.model.transformer import Seq2SeqTransformer, sinusoidal_positions
 
 D_MODEL, HEADS, FFN, LAYERS, VOCAB = 32, 4, 64, 2, 50
@@ -206,7 +206,7 @@ def test_a_padded_batch_has_the_logits_and_gradients_of_its_sentences_alone(norm
 
 
 def test_position_wise_layers_compute_the_tokens_and_not_the_padding_on_cpu():
-    """layers.Rows: on CPU, every linear, LayerNorm and dropout runs on the token positions alone."""
+    """execution.Rows: on CPU, every linear, LayerNorm and dropout runs on the token positions alone."""
     model = make_model("pre")
     src, tgt_in, _, lengths = _padded_pairs()
     seen = {}
@@ -238,7 +238,7 @@ def test_beams_sharing_one_memory_row_equal_a_repeated_memory():
     src[1, 3:] = PAD_ID
     beams = 3
     tgt = torch.randint(4, VOCAB, (2 * beams, 5))
-    tgt[1, 3:] = PAD_ID  # a shorter target too: its PAD positions are skipped on CPU (layers.Rows)
+    tgt[1, 3:] = PAD_ID  # a shorter target too: its PAD positions are skipped on CPU (execution.Rows)
     with torch.no_grad():
         src_mask = padding_mask(src)
         memory = model.encode(src, src_mask)
@@ -255,7 +255,7 @@ def test_bf16_cpu_attention_path_matches_the_fused_kernel():
     with torch.no_grad():
         fp32 = model(src, tgt)  # fused scaled_dot_product_attention
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            bf16 = model(src, tgt)  # bf16 projections, attention itself in fp32 (layers._cpu_bf16_attention)
+            bf16 = model(src, tgt)  # bf16 projections, attention itself in fp32 (execution._cpu_bf16_attention)
     assert bf16.dtype == torch.bfloat16
     torch.testing.assert_close(bf16.float(), fp32, atol=0.15, rtol=0.05)
     assert (bf16.float().argmax(-1) == fp32.argmax(-1)).float().mean() > 0.9
@@ -291,7 +291,7 @@ def test_bf16_cpu_attention_keeps_scores_and_softmax_in_fp32():
 
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_the_bf16_training_path_computes_attention_in_fp32(is_causal):
-    """The fused path training runs (layers._cpu_bf16_attention): bf16 q, k, v in, and the result is
+    """The fused path training runs (execution._cpu_bf16_attention): bf16 q, k, v in, and the result is
     fp32 attention rounded once to bf16 at the end, not attention over bf16-rounded scores."""
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, HEADS, 9, D_MODEL // HEADS).mul(4).bfloat16() for _ in range(3))
