@@ -67,8 +67,10 @@ class Checkpoint:
 
     def to_state(self) -> dict[str, Any]:
         """Plain data and tensors only, so that loading never needs to unpickle an object."""
-        tokenizer = {name: torch.frombuffer(bytearray(proto), dtype=torch.uint8)
-                     for name, proto in self.tokenizer.protos().items()}  # fmt: skip
+        tokenizer = {
+            name: torch.frombuffer(bytearray(proto), dtype=torch.uint8)
+            for name, proto in self.tokenizer.protos().items()
+        }
         return {
             "format_version": FORMAT_VERSION,
             "config": self.config.to_dict(),
@@ -90,8 +92,10 @@ class Checkpoint:
             raise UserInputError(f"{origin}: not a seq2seq checkpoint (format version {FORMAT_VERSION} expected)")
         missing = [name for name in _REQUIRED if name not in state]
         if missing:
-            raise UserInputError(f"{origin}: checkpoint lacks {', '.join(missing)}; expected every field of format "
-                                 f"version {FORMAT_VERSION} ({', '.join(_REQUIRED)})")  # fmt: skip
+            raise UserInputError(
+                f"{origin}: checkpoint lacks {', '.join(missing)}; expected every field of format "
+                f"version {FORMAT_VERSION} ({', '.join(_REQUIRED)})"
+            )
         progress_fields = {f.name for f in dataclasses.fields(Progress)}
         if not isinstance(state["progress"], dict) or not (
             progress_fields - _PROGRESS_ADDED <= set(state["progress"]) <= progress_fields
@@ -163,8 +167,10 @@ def save_numbered(folder: Path, checkpoint: Checkpoint, *, keep_last: int) -> Pa
     except OSError as error:
         previous = numbered_checkpoints(folder)
         kept = f"the last good checkpoint is {previous[-1]}" if previous else "no earlier checkpoint exists"
-        raise UserInputError(f"{path}: could not be written ({error.strerror or error}); {kept}; "
-                             "free some space and continue with --resume") from None  # fmt: skip
+        raise UserInputError(
+            f"{path}: could not be written ({error.strerror or error}); {kept}; "
+            "free some space and continue with --resume"
+        ) from None
     _link_latest(path, folder / LAST)
     for old in numbered_checkpoints(folder)[:-keep_last]:
         old.unlink()
@@ -195,8 +201,10 @@ def average_checkpoints(paths: list[Path], output: Path) -> None:
     for path, checkpoint in zip(paths[1:], checkpoints[1:]):
         differing = [key for key in config_differences(first.config, checkpoint.config) if is_run_defining(key)]
         if differing:
-            raise UserInputError(f"{path}: {', '.join(differing)} differ from {paths[0]}'s; average checkpoints "
-                                 "of one run (same data, tokenizer and model)")  # fmt: skip
+            raise UserInputError(
+                f"{path}: {', '.join(differing)} differ from {paths[0]}'s; average checkpoints "
+                "of one run (same data, tokenizer and model)"
+            )
         if checkpoint.tokenizer.protos() != first.tokenizer.protos():
             raise UserInputError(f"{path}: its tokenizer differs from {paths[0]}'s; average checkpoints of one run")
         if set(checkpoint.model) != set(first.model):

@@ -127,8 +127,14 @@ class ModelConfig:
             found.append(("d_model", f"expected a multiple of heads ({self.heads}), got {self.d_model}"))
         elif self.d_model % 2:
             found.append(("d_model", f"expected an even number (sin/cos position pairs), got {self.d_model}"))
-        for key in ("dropout", "attention_dropout", "activation_dropout", "encoder_layerdrop", "decoder_layerdrop",
-                    "target_word_dropout"):  # fmt: skip
+        for key in (
+            "dropout",
+            "attention_dropout",
+            "activation_dropout",
+            "encoder_layerdrop",
+            "decoder_layerdrop",
+            "target_word_dropout",
+        ):
             if not 0.0 <= getattr(self, key) < 1.0:
                 found.append((key, "expected a number in [0, 1)"))
         return found
@@ -196,13 +202,23 @@ class TrainConfig:
         if not 0.0 < self.cooldown_fraction <= 1.0:
             found.append(("cooldown_fraction", "expected a number in (0, 1]"))
         elif self.schedule == "wsd" and self.warmup_fraction + self.cooldown_fraction > 1.0:
-            found.append(("cooldown_fraction", f"expected at most 1 - warmup_fraction ({1 - self.warmup_fraction:g}): "
-                                               "the warmup and the cooldown share one budget"))  # fmt: skip
+            found.append(
+                (
+                    "cooldown_fraction",
+                    f"expected at most 1 - warmup_fraction ({1 - self.warmup_fraction:g}): "
+                    "the warmup and the cooldown share one budget",
+                )
+            )
         if not 0.0 <= self.warmup_fraction < 1.0:
             found.append(("warmup_fraction", "expected a number in [0, 1)"))
         elif self.warmup_fraction and self.schedule in ("noam", "inverse_sqrt"):
-            found.append(("warmup_fraction", f"schedule '{self.schedule}' warms up over warmup_steps; "
-                                             "warmup_fraction needs linear, cosine, constant or wsd"))  # fmt: skip
+            found.append(
+                (
+                    "warmup_fraction",
+                    f"schedule '{self.schedule}' warms up over warmup_steps; "
+                    "warmup_fraction needs linear, cosine, constant or wsd",
+                )
+            )
         if not 0.0 <= self.ema_decay < 1.0:
             found.append(("ema_decay", "expected a number in [0, 1), e.g. 0.999 (0 = no weight average)"))
         if not 0.0 <= self.min_lr <= self.lr:
@@ -234,15 +250,28 @@ class Config:
 
 # What a run trains: a resumed run must keep these keys, and only checkpoints that agree on them can
 # be averaged. Everything else (stop rules, logging, validation, decoding, the learning rate) may change.
-RUN_DEFINING_KEYS = ("data.train", "data.src_lang", "data.tgt_lang", "data.max_length", "data.max_length_ratio",
-                     "tokenizer", "model", "train.seed", "train.max_tokens", "train.accum_steps")  # fmt: skip
+RUN_DEFINING_KEYS = (
+    "data.train",
+    "data.src_lang",
+    "data.tgt_lang",
+    "data.max_length",
+    "data.max_length_ratio",
+    "tokenizer",
+    "model",
+    "train.seed",
+    "train.max_tokens",
+    "train.accum_steps",
+)
 
 
 def config_differences(first: Config, second: Config) -> dict[str, tuple[Any, Any]]:
     """Dotted key -> (first value, second value) for every leaf key whose values differ."""
     flat_first, flat_second = _flatten(first.to_dict()), _flatten(second.to_dict())
-    return {key: (flat_first.get(key), flat_second.get(key)) for key in sorted(flat_first.keys() | flat_second.keys())
-            if flat_first.get(key) != flat_second.get(key)}  # fmt: skip
+    return {
+        key: (flat_first.get(key), flat_second.get(key))
+        for key in sorted(flat_first.keys() | flat_second.keys())
+        if flat_first.get(key) != flat_second.get(key)
+    }
 
 
 def is_run_defining(key: str) -> bool:

@@ -40,8 +40,15 @@ def option(
     that sets the amount of work); `served`: whether a request may set it; `engines`: those that
     honour it, and for the others `lacking` (what they have no way to do) and `used` (when a call
     relies on the option: from its settings and the keys the caller set)."""
-    metadata = {"help": help, "bound": bound, "served_max": served_max, "served": served, "engines": engines,
-                "lacking": lacking, "used": used}  # fmt: skip
+    metadata = {
+        "help": help,
+        "bound": bound,
+        "served_max": served_max,
+        "served": served,
+        "engines": engines,
+        "lacking": lacking,
+        "used": used,
+    }
     return dataclasses.field(default=default, metadata=metadata)
 
 
@@ -56,38 +63,62 @@ def _sampling_with_a_given_seed(decode: DecodeConfig, given: Collection[str]) ->
 @dataclass(frozen=True)
 class DecodeConfig:
     beam: int = option(5, "beam size; 1 = greedy search", Bound(1, 256), served_max=16)
-    length_penalty: float = option(1.0, "alpha of length_norm power and gnmt (ignored by average and none)",
-                                   Bound(0.0, 10.0))  # fmt: skip
+    length_penalty: float = option(
+        1.0, "alpha of length_norm power and gnmt (ignored by average and none)", Bound(0.0, 10.0)
+    )
     length_norm: Literal["power", "gnmt", "average", "none"] = option(
         "power",
         "how finished hypotheses are ranked: score / len^alpha (power, as fairseq, Marian, CTranslate2 and "
         "HF rank), score / ((5 + len) / 6)^alpha (gnmt), score / len (average) or the score (none); len counts the EOS",
     )
-    max_len_a: float = option(1.2, "outputs stop at max_len_a x source length + max_len_b tokens", Bound(0.0, 10.0),
-                              served_max=4.0)  # fmt: skip
+    max_len_a: float = option(
+        1.2, "outputs stop at max_len_a x source length + max_len_b tokens", Bound(0.0, 10.0), served_max=4.0
+    )
     max_len_b: int = option(10, "see max_len_a", Bound(0, 4096), served_max=256)
-    min_len: int = option(1, "no EOS before this many tokens (at most the length limit of a one-piece source)",
-                          Bound(0))  # fmt: skip
+    min_len: int = option(
+        1, "no EOS before this many tokens (at most the length limit of a one-piece source)", Bound(0)
+    )
     nbest: int = option(1, "hypotheses returned per line (at most beam, unless sampling)", Bound(1, 256), served_max=16)
-    patience: float = option(1.5, "a line's beam search ends when beam x patience hypotheses have finished "
-                             "(Kasai et al. 2022; fewer than beam could leave an n-best list short)",
-                             Bound(1.0, 8.0), served_max=4.0)  # fmt: skip
-    no_repeat_ngram: int = option(0, "forbid repeating any n-gram of this size within an output (0: off)",
-                                  Bound(0, 32), served_max=8)  # fmt: skip
+    patience: float = option(
+        1.5,
+        "a line's beam search ends when beam x patience hypotheses have finished "
+        "(Kasai et al. 2022; fewer than beam could leave an n-best list short)",
+        Bound(1.0, 8.0),
+        served_max=4.0,
+    )
+    no_repeat_ngram: int = option(
+        0, "forbid repeating any n-gram of this size within an output (0: off)", Bound(0, 32), served_max=8
+    )
     batch_tokens: int = option(4096, "source tokens per translation batch", Bound(1, 1_000_000), served=False)
     sample: bool = option(False, "draw nbest outputs per line from the model instead of searching (beam unused)")
-    temperature: float = option(1.0, "sampling: the logits are divided by it (far below 0.01 a sample is the greedy "
-                                "output)", Bound(0.001, 100.0))  # fmt: skip
+    temperature: float = option(
+        1.0,
+        "sampling: the logits are divided by it (far below 0.01 a sample is the greedy output)",
+        Bound(0.001, 100.0),
+    )
     top_k: int = option(0, "sampling: only the k most likely tokens (0: all)", Bound(0))
-    top_p: float = option(1.0, "sampling: only the most likely tokens whose probabilities sum to top_p (nucleus)",
-                          Bound(0.0, 1.0, low_open=True))  # fmt: skip
-    epsilon: float = option(0.0, "sampling: only tokens of probability above epsilon (the most likely always)",
-                            Bound(0.0, 1.0, high_open=True), engines=frozenset({"pytorch"}),
-                            lacking="epsilon sampling", used=_sampling_with_epsilon)  # fmt: skip
-    seed: int = option(1, "sampling: a line at the same index draws the same samples for the same seed and "
-                       "settings, whatever is translated with it", Bound(0, SEED_LIMIT, high_open=True),
-                       engines=frozenset({"pytorch"}), used=_sampling_with_a_given_seed,
-                       lacking="samples that repeat from a seed (its generators belong to its threads)")  # fmt: skip
+    top_p: float = option(
+        1.0,
+        "sampling: only the most likely tokens whose probabilities sum to top_p (nucleus)",
+        Bound(0.0, 1.0, low_open=True),
+    )
+    epsilon: float = option(
+        0.0,
+        "sampling: only tokens of probability above epsilon (the most likely always)",
+        Bound(0.0, 1.0, high_open=True),
+        engines=frozenset({"pytorch"}),
+        lacking="epsilon sampling",
+        used=_sampling_with_epsilon,
+    )
+    seed: int = option(
+        1,
+        "sampling: a line at the same index draws the same samples for the same seed and "
+        "settings, whatever is translated with it",
+        Bound(0, SEED_LIMIT, high_open=True),
+        engines=frozenset({"pytorch"}),
+        used=_sampling_with_a_given_seed,
+        lacking="samples that repeat from a seed (its generators belong to its threads)",
+    )
 
     def normalized_score(self, log_prob: float, length: int) -> float:
         """How finished hypotheses are ranked: `log_prob` of `length` output tokens (EOS included)."""
@@ -107,15 +138,24 @@ class DecodeConfig:
 
     def problems(self) -> list[tuple[str, str]]:
         """Each declared range, then the rules between fields."""
-        found = [(item.name, problem) for item in declarations() if item.bound is not None
-                 if (problem := item.bound.problem(getattr(self, item.name), integer=item.kind is int))]  # fmt: skip
+        found = [
+            (item.name, problem)
+            for item in declarations()
+            if item.bound is not None
+            if (problem := item.bound.problem(getattr(self, item.name), integer=item.kind is int))
+        ]
         if found:
             return found
         if self.nbest > self.beam and not self.sample:  # samples are drawn, not kept from a beam
             found.append(("nbest", f"expected at most beam ({self.beam}), got {self.nbest}"))
         if self.min_len > self.shortest_limit:  # an EOS could never be allowed in time
-            found.append(("min_len", f"expected at most the length limit of a one-token input, max_len_a x 2 + "
-                                     f"max_len_b = {self.shortest_limit}, got {self.min_len}"))  # fmt: skip
+            found.append(
+                (
+                    "min_len",
+                    f"expected at most the length limit of a one-token input, max_len_a x 2 + "
+                    f"max_len_b = {self.shortest_limit}, got {self.min_len}",
+                )
+            )
         return found
 
     @property
@@ -168,5 +208,8 @@ def declarations() -> tuple[Declared, ...]:
 
 def refusals(decode: DecodeConfig, engine: str, *, given: Collection[str] = ()) -> list[tuple[Declared, str]]:
     """The options these settings rely on that `engine` does not honour, each with what it lacks."""
-    return [(item, item.lacking) for item in declarations()
-            if engine not in item.engines and item.used is not None and item.used(decode, given)]  # fmt: skip
+    return [
+        (item, item.lacking)
+        for item in declarations()
+        if engine not in item.engines and item.used is not None and item.used(decode, given)
+    ]

@@ -61,8 +61,7 @@ def run_demo(
     best = result.last_checkpoint.with_name("best.pt")
     translator = Translator.load(best if best.exists() else result.last_checkpoint)
     test = read_split(config.data, "test")
-    evaluation = translate_and_score(translator, test.src, test.tgt, config.decode,
-                                     progress=show_progress)  # fmt: skip
+    evaluation = translate_and_score(translator, test.src, test.tgt, config.decode, progress=show_progress)
     echo("\nsample translations (test split):")
     for src, ref, hyp in list(zip(test.src, test.tgt, evaluation.hypotheses))[:5]:
         echo(f"  src: {src}\n  ref: {ref}\n  hyp: {hyp}\n")

@@ -137,8 +137,19 @@ def train(
 
 def _launch_torchrun(nproc: int, config: Path, overrides: list[str], run_dir: Path, resume: bool, quiet: bool) -> int:
     """Run this same training under torchrun on this machine; returns its exit code."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "-m", "seq2seq", "train", str(config), "--resume" if resume else "--run-dir", str(run_dir)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "seq2seq",
+        "train",
+        str(config),
+        "--resume" if resume else "--run-dir",
+        str(run_dir),
+    ]
     for item in overrides:
         command += ["--set", item]
     if quiet:
@@ -196,7 +207,7 @@ def translate(
             "--constraints",
             help="Target phrases each output must contain: one line per input line, "
             "phrases separated by tabs (checkpoints only).",
-        ),  # fmt: skip
+        ),
     ] = None,
     glossary: Annotated[
         Optional[Path],  # noqa: UP045
@@ -204,7 +215,7 @@ def translate(
             "--glossary",
             help="TSV 'source term<TAB>target term': lines with a source term must contain "
             "its target term (checkpoints only).",
-        ),  # fmt: skip
+        ),
     ] = None,
 ) -> None:
     """Translate text, one sentence per line.
@@ -219,8 +230,15 @@ def translate(
     from seq2seq.inference.translator import LineGuides, translate_file
 
     guides = LineGuides(prefixes=prefix, constraints=constraints, glossary=glossary)
-    written = translate_file(checkpoint, source=input, output=output, decode_overrides=_decode_overrides(
-        overrides, beam, nbest), stream=stream, attention_plot=attention_plot, guides=guides)  # fmt: skip
+    written = translate_file(
+        checkpoint,
+        source=input,
+        output=output,
+        decode_overrides=_decode_overrides(overrides, beam, nbest),
+        stream=stream,
+        attention_plot=attention_plot,
+        guides=guides,
+    )
     if written:
         typer.echo(f"attention plots: {', '.join(map(str, written))}", err=True)
 
@@ -261,7 +279,7 @@ TokenizeOption = Annotated[
         "--tokenize",
         help="BLEU tokenizer, as sacrebleu's --tokenize (13a, intl, zh, char, none, ...) [default: 13a].",
         show_default=False,
-    ),  # fmt: skip
+    ),
 ]
 LowercaseOption = Annotated[bool, typer.Option("--lowercase", "-lc", help="Case-insensitive scores.")]
 JsonOption = Annotated[
@@ -304,8 +322,15 @@ def evaluate(
 
     options = _score_options(metrics, tokenize, lowercase)
     decode_overrides = _decode_overrides(overrides, beam, None)
-    evaluation = evaluate_files(checkpoint, src=src, refs=refs, decode_overrides=decode_overrides, options=options,
-                                hypotheses_path=hypotheses_path, json_path=json_path)  # fmt: skip
+    evaluation = evaluate_files(
+        checkpoint,
+        src=src,
+        refs=refs,
+        decode_overrides=decode_overrides,
+        options=options,
+        hypotheses_path=hypotheses_path,
+        json_path=json_path,
+    )
     typer.echo(evaluation.scores.describe())
 
 
@@ -339,7 +364,7 @@ def demo(
             "--config",
             help="The demo config [default: the one shipped in the package, = configs/demo.yaml].",
             show_default=False,
-        ),  # fmt: skip
+        ),
     ] = None,
     overrides: SetOption = None,
     run_dir: Annotated[
@@ -385,7 +410,7 @@ def export(
             show_default=False,
             help="The longest source and output (pieces) the export places; longer lines are refused "
             "[default: the longest training sentence's allowance, at least 1024].",
-        ),  # fmt: skip
+        ),
     ] = None,
 ) -> None:
     """Export a checkpoint as a CTranslate2 model, through a parity gate that decodes with both.
@@ -404,9 +429,15 @@ def export(
         raise UserInputError(f"--format {format}: expected ctranslate2 (the only format for now)")
     try:
         report = export_checkpoint(
-            checkpoint, output, quantization=quantization, check_src=check_src, check_ref=check_ref,
-            check_lines=check_lines, max_bleu_drop=max_bleu_drop, max_positions=max_positions,
-        )  # fmt: skip
+            checkpoint,
+            output,
+            quantization=quantization,
+            check_src=check_src,
+            check_ref=check_ref,
+            check_lines=check_lines,
+            max_bleu_drop=max_bleu_drop,
+            max_positions=max_positions,
+        )
     except ExportFailed as failure:
         for line in str(failure).splitlines():
             typer.echo(f"error: {line}", err=True)
@@ -422,7 +453,7 @@ def serve(
         list[Path],
         typer.Argument(
             help="A checkpoint (.pt) or an exported directory; several checkpoints: an ensemble.", show_default=False
-        ),  # fmt: skip
+        ),
     ],
     host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", min=1, max=65535, help="Port to listen on.")] = 8000,
@@ -438,7 +469,7 @@ def serve(
             min=1,
             help="A request's work: source pieces x beam (or samples) x length limit, over its lines.",
         ),
-    ] = 2_000_000,  # fmt: skip
+    ] = 2_000_000,
     batch_wait_ms: Annotated[
         float, typer.Option("--batch-wait-ms", min=0.0, help="How long to wait for requests to batch with.")
     ] = 5.0,
@@ -450,7 +481,7 @@ def serve(
         typer.Option(
             "--timeout", min=0.1, help="Seconds a request may take, queued and translating (then 503; its work stops)."
         ),
-    ] = 60.0,  # fmt: skip
+    ] = 60.0,
     api_key: Annotated[
         Optional[str],  # noqa: UP045
         typer.Option(
@@ -459,7 +490,7 @@ def serve(
             show_default=False,
             help="Require 'Authorization: Bearer KEY' on every request (better set in SEQ2SEQ_API_KEY).",
         ),
-    ] = None,  # fmt: skip
+    ] = None,
 ) -> None:
     """Serve a model over HTTP: POST /translate {"lines": [...]}, POST /score and GET /health.
 
@@ -477,12 +508,19 @@ def serve(
         raise UserInputError(f"{', '.join(missing)}: no such checkpoint or exported model")
     if api_key is not None and not api_key.strip():
         raise UserInputError("--api-key: empty; expected a secret that clients send as 'Authorization: Bearer KEY'")
-    limits = Limits(max_lines=max_lines, max_chars=max_chars, max_tokens_per_line=max_tokens_per_line,
-                    max_work=max_work, batch_wait=batch_wait_ms / 1000, max_queue=max_queue,
-                    request_timeout=timeout_s)  # fmt: skip
+    limits = Limits(
+        max_lines=max_lines,
+        max_chars=max_chars,
+        max_tokens_per_line=max_tokens_per_line,
+        max_work=max_work,
+        batch_wait=batch_wait_ms / 1000,
+        max_queue=max_queue,
+        request_timeout=timeout_s,
+    )
     named = " + ".join(map(str, model))
-    typer.echo(f"serving {named} on http://{host}:{port} (POST /translate, /score; GET /health); Ctrl-C stops",
-               err=True)  # fmt: skip
+    typer.echo(
+        f"serving {named} on http://{host}:{port} (POST /translate, /score; GET /health); Ctrl-C stops", err=True
+    )
     serve_model(model, host=host, port=port, limits=limits, api_key=api_key)
 
 

@@ -82,8 +82,12 @@ class EncodedCorpus:
     @classmethod
     def load(cls, directory: Path) -> EncodedCorpus:
         """Memory-mapped: the ids stay on disk and are paged in as batches touch them."""
-        return cls(*(RaggedIds(_map_ids(directory / f"{side}_ids.bin"), np.load(directory / f"{side}_offsets.npy"))
-                     for side in SIDES))  # fmt: skip
+        return cls(
+            *(
+                RaggedIds(_map_ids(directory / f"{side}_ids.bin"), np.load(directory / f"{side}_offsets.npy"))
+                for side in SIDES
+            )
+        )
 
 
 def write_corpus(directory: Path, chunks: Iterable[EncodedCorpus]) -> None:
@@ -128,8 +132,10 @@ def encode_chunks(
     segmentation is sampled, so that its seed repeats it); only one chunk of text is held in memory."""
     for chunk in chunked(pairs, ENCODE_CHUNK):
         src, tgt = zip(*chunk)
-        yield EncodedCorpus(RaggedIds.from_lists(tokenizer.encode_src(list(src), sampling)),
-                            RaggedIds.from_lists(tokenizer.encode_tgt(list(tgt), sampling)))  # fmt: skip
+        yield EncodedCorpus(
+            RaggedIds.from_lists(tokenizer.encode_src(list(src), sampling)),
+            RaggedIds.from_lists(tokenizer.encode_tgt(list(tgt), sampling)),
+        )
 
 
 def encode_pairs(tokenizer: Tokenizer, pairs: Iterable[tuple[str, str]]) -> EncodedCorpus:

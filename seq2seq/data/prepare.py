@@ -40,8 +40,9 @@ class TrainingData:
 
 def stream_split(data: DataConfig, split: str, counts: PairCounts | None = None) -> Iterator[tuple[str, str]]:
     """The split's non-empty pairs, read lazily."""
-    return iter_pairs(getattr(data, split), src_lang=data.src_lang, tgt_lang=data.tgt_lang, key=f"data.{split}",
-                      counts=counts)  # fmt: skip
+    return iter_pairs(
+        getattr(data, split), src_lang=data.src_lang, tgt_lang=data.tgt_lang, key=f"data.{split}", counts=counts
+    )
 
 
 def read_split(data: DataConfig, split: str) -> ParallelText:
@@ -63,12 +64,16 @@ def encode_training_split(
     report: dict = {}
     sampling = None if sampled_seed is None else SubwordSampling(data.subword_alpha, data.subword_nbest)
     if not data.cache_dir:
-        corpus = EncodedCorpus.concatenate(list(_filtered_chunks(data, tokenizer, report, progress, sampling,
-                                                                 sampled_seed)))  # fmt: skip
+        corpus = EncodedCorpus.concatenate(
+            list(_filtered_chunks(data, tokenizer, report, progress, sampling, sampled_seed))
+        )
         _log_report(report, "")
         return corpus
-    settings = {"langs": [data.src_lang, data.tgt_lang], "max_length": data.max_length,
-                "max_length_ratio": data.max_length_ratio}  # fmt: skip
+    settings = {
+        "langs": [data.src_lang, data.tgt_lang],
+        "max_length": data.max_length,
+        "max_length_ratio": data.max_length_ratio,
+    }
     if sampling is not None:
         settings["sampled"] = {"alpha": sampling.alpha, "nbest": sampling.nbest, "seed": sampled_seed}
     entry = Path(data.cache_dir) / cache.cache_key(data.train, tokenizer=tokenizer, settings=settings)
@@ -105,8 +110,13 @@ def _filtered_chunks(
         raise UserInputError("data.train: no sentence pairs found (empty file, or every pair had an empty side)")
     if filtered.kept == 0:
         raise UserInputError(f"data.train: no sentence pairs left after filtering ({filtered.describe()})")
-    report.update(read=counts.kept + counts.dropped_empty, empty=counts.dropped_empty, too_long=filtered.too_long,
-                  bad_ratio=filtered.bad_ratio, kept=filtered.kept)  # fmt: skip
+    report.update(
+        read=counts.kept + counts.dropped_empty,
+        empty=counts.dropped_empty,
+        too_long=filtered.too_long,
+        bad_ratio=filtered.bad_ratio,
+        kept=filtered.kept,
+    )
 
 
 def prepare_training_data(
@@ -123,13 +133,20 @@ def prepare_training_data(
     valid = encode_pairs(tokenizer, zip(valid_text.src, valid_text.tgt))
     if not data.subword_alpha:
         return TrainingData(encode_training_split(data, tokenizer, progress=progress), valid, valid_text)
-    variants = tuple(encode_training_split(data, tokenizer, progress=progress, sampled_seed=1000 * seed + variant)
-                     for variant in range(data.subword_variants))  # fmt: skip
+    variants = tuple(
+        encode_training_split(data, tokenizer, progress=progress, sampled_seed=1000 * seed + variant)
+        for variant in range(data.subword_variants)
+    )
     return TrainingData(variants[0], valid, valid_text, variants)
 
 
 def _log_report(report: dict, source: str) -> None:
     log.info(
-        "data.train: %d pairs read; removed %d with an empty side, %d too long, %d with a bad length ratio; "
-        "kept %d%s", report["read"], report["empty"], report["too_long"], report["bad_ratio"], report["kept"], source,
-    )  # fmt: skip
+        "data.train: %d pairs read; removed %d with an empty side, %d too long, %d with a bad length ratio; kept %d%s",
+        report["read"],
+        report["empty"],
+        report["too_long"],
+        report["bad_ratio"],
+        report["kept"],
+        source,
+    )

@@ -226,8 +226,9 @@ def _load_hf(corpus: CorpusConfig, key: str):
         if not isinstance(loaded, datasets.DatasetDict):
             return loaded
         if split() not in loaded:
-            raise UserInputError(f"{key}.split: {split()!r} is not a split of {where}; it has "
-                                 f"{', '.join(map(repr, loaded))}")  # fmt: skip
+            raise UserInputError(
+                f"{key}.split: {split()!r} is not a split of {where}; it has {', '.join(map(repr, loaded))}"
+            )
         return loaded[split()]
 
     try:

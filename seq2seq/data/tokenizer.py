@@ -89,9 +89,11 @@ class Tokenizer:
         """The target pieces that continue a word: those without SentencePiece's word-start mark ▁
         (special pieces excluded); read once from the vocabulary."""
         model = self.tgt_model
-        return frozenset(i for i in range(model.get_piece_size())
-                         if not model.id_to_piece(i).startswith("\u2581") and not model.is_control(i)
-                         and not model.is_unknown(i))  # fmt: skip
+        return frozenset(
+            i
+            for i in range(model.get_piece_size())
+            if not model.id_to_piece(i).startswith("\u2581") and not model.is_control(i) and not model.is_unknown(i)
+        )
 
     def src_pieces(self, line: str) -> list[str]:
         return self.src_model.encode(line, out_type=str, add_eos=True)
@@ -180,8 +182,10 @@ def train_tokenizer(
     """Train SentencePiece on at most `sample_sentences` random training pairs (one pass over the data)."""
     sample = _reservoir(pairs, config.sample_sentences, seed)
     if not sample:
-        raise UserInputError(f"{data_name}: no sentence pair with text on both sides (empty files, or every line "
-                             "blank on one side); expected parallel text to learn a vocabulary from")  # fmt: skip
+        raise UserInputError(
+            f"{data_name}: no sentence pair with text on both sides (empty files, or every line "
+            "blank on one side); expected parallel text to learn a vocabulary from"
+        )
     src, tgt = [s for s, _ in sample], [t for _, t in sample]
     if config.joint:
         return Tokenizer(_train_model(config, src + tgt))
@@ -219,12 +223,16 @@ def _sentencepiece_problem(message: str, config: TokenizerConfig) -> str:
     """One line in our terms for an error SentencePiece raised while training."""
     too_small = re.search(r"Vocabulary size is smaller than required_chars\. (\d+) vs (\d+)", message)
     if too_small:
-        return (f"tokenizer.vocab_size: {config.vocab_size} is below the {too_small.group(2)} pieces that the "
-                f"training text's characters and the 4 special pieces need; expected at least {too_small.group(2)}, "
-                "or a lower tokenizer.character_coverage (e.g. 0.9995) to map rare characters to unknown")  # fmt: skip
+        return (
+            f"tokenizer.vocab_size: {config.vocab_size} is below the {too_small.group(2)} pieces that the "
+            f"training text's characters and the 4 special pieces need; expected at least {too_small.group(2)}, "
+            "or a lower tokenizer.character_coverage (e.g. 0.9995) to map rare characters to unknown"
+        )
     reason = message.split("] ", 1)[-1].strip() or message
-    return (f"tokenizer: SentencePiece could not train with vocab_size {config.vocab_size}, model_type "
-            f"{config.model_type}, character_coverage {config.character_coverage}: {reason}")  # fmt: skip
+    return (
+        f"tokenizer: SentencePiece could not train with vocab_size {config.vocab_size}, model_type "
+        f"{config.model_type}, character_coverage {config.character_coverage}: {reason}"
+    )
 
 
 def _reservoir(items: Iterable[T], size: int, seed: int) -> list[T]:

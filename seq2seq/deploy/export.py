@@ -76,9 +76,11 @@ class ParityReport:
 
     def describe(self) -> str:
         ours, exported = self.ours, self.exported
-        return (f"parity ({self.quantization}, {self.sentences} sentences): greedy outputs identical on "
-                f"{self.identical_greedy:.1%}; beam {self.beam} BLEU {ours.bleu:.2f} -> {exported.bleu:.2f} "
-                f"({exported.bleu - ours.bleu:+.2f}), chrF {ours.chrf:.2f} -> {exported.chrf:.2f}")  # fmt: skip
+        return (
+            f"parity ({self.quantization}, {self.sentences} sentences): greedy outputs identical on "
+            f"{self.identical_greedy:.1%}; beam {self.beam} BLEU {ours.bleu:.2f} -> {exported.bleu:.2f} "
+            f"({exported.bleu - ours.bleu:+.2f}), chrF {ours.chrf:.2f} -> {exported.chrf:.2f}"
+        )
 
     def to_dict(self) -> dict:
         return {**dataclasses.asdict(self), "passed": not self.failures}
@@ -109,16 +111,26 @@ def export_checkpoint(
     positions = max_positions or position_table_size(checkpoint.config)
     tokenizer = checkpoint.tokenizer
     where = check_src or "the validation split"  # a check sentence the export could not place: before any work
-    plan_translation(ModelCapacity(tokenizer.src_model, tokenizer.tgt_model, positions), sources,
-                     checkpoint.config.decode, names=Names(line=f"{where}:{{number}}"))  # fmt: skip
+    plan_translation(
+        ModelCapacity(tokenizer.src_model, tokenizer.tgt_model, positions),
+        sources,
+        checkpoint.config.decode,
+        names=Names(line=f"{where}:{{number}}"),
+    )
     spec = build_spec(checkpoint, positions)
     remove_stale_temporaries(output.parent, output.name)  # a killed export's staging folder
     staging = temporary_path(output)
     try:
         _SpecConverter(spec).convert(str(staging), quantization=quantization, force=True)
         _write_tokenizer_and_metadata(staging, checkpoint, quantization, positions)
-        report = parity(Translator.load(checkpoint_path, device="cpu"), Translator.load(staging), sources, references,
-                        quantization=quantization, max_bleu_drop=max_bleu_drop)  # fmt: skip
+        report = parity(
+            Translator.load(checkpoint_path, device="cpu"),
+            Translator.load(staging),
+            sources,
+            references,
+            quantization=quantization,
+            max_bleu_drop=max_bleu_drop,
+        )
         if report.failures:
             raise ExportFailed(f"{report.describe()}\nexport refused: {'; '.join(report.failures)}")
         metadata = json.loads((staging / EXPORT_METADATA).read_text(encoding="utf-8"))
@@ -141,8 +153,9 @@ def parity(
     """Both engines on the same sentences and settings: greedy agreement and beam scores."""
     searched = dataclasses.replace(ours.decode, sample=False)  # the gate compares searches, never samples
     greedy = dataclasses.replace(searched, beam=1, nbest=1)
-    same = sum(a.text == b.text for a, b in zip(ours.translate_with(sources, greedy),
-                                                   exported.translate_with(sources, greedy)))  # fmt: skip
+    same = sum(
+        a.text == b.text for a, b in zip(ours.translate_with(sources, greedy), exported.translate_with(sources, greedy))
+    )
     return ParityReport(
         quantization=quantization,
         sentences=len(sources),

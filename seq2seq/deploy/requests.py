@@ -69,8 +69,12 @@ def request_schema(limits: Limits, kind: str) -> dict:
         terms = {"type": "array", "items": text, "maxItems": limits.max_constraints}
         constraints = {"type": "array", "items": terms, "maxItems": limits.max_lines}
         properties, required = {"lines": texts, "prefixes": texts, "constraints": constraints}, ["lines"]
-    return {"type": "object", "properties": {**properties, **decode}, "required": required,
-            "additionalProperties": False}  # fmt: skip
+    return {
+        "type": "object",
+        "properties": {**properties, **decode},
+        "required": required,
+        "additionalProperties": False,
+    }
 
 
 @dataclass
@@ -131,8 +135,11 @@ def parse_score_request(body: object, translator: Translator, limits: Limits) ->
         raise RequestError(422, str(error)) from None
     for index, plan in enumerate(plans):
         if plan.limit > limits.max_tokens_per_line:
-            raise RequestError(413, f"targets[{index}]: {plan.limit} pieces with its end; at most "
-                                    f"{limits.max_tokens_per_line} per line on this server")  # fmt: skip
+            raise RequestError(
+                413,
+                f"targets[{index}]: {plan.limit} pieces with its end; at most "
+                f"{limits.max_tokens_per_line} per line on this server",
+            )
     _check_work(plans, limits, "sources")
     return Job(sources, decode, plans, targets=targets)
 
@@ -141,13 +148,19 @@ def _check_work(plans: list[LinePlan], limits: Limits, key: str) -> None:
     """Each line's pieces, then the request's work as a whole, within the server's limits (413)."""
     for index, plan in enumerate(plans):
         if plan.source > limits.max_tokens_per_line:
-            raise RequestError(413, f"{key}[{index}]: {plan.source} pieces with its end; at most "
-                                    f"{limits.max_tokens_per_line} per line on this server")  # fmt: skip
+            raise RequestError(
+                413,
+                f"{key}[{index}]: {plan.source} pieces with its end; at most "
+                f"{limits.max_tokens_per_line} per line on this server",
+            )
     work = sum(plan.work for plan in plans)
     if work > limits.max_work:
-        raise RequestError(413, f"the request's work, {work:,} (source pieces x beam or samples x length limit, over "
-                                f"its lines), is over this server's {limits.max_work:,}; send fewer or shorter lines, "
-                                "a smaller beam or a lower length limit")  # fmt: skip
+        raise RequestError(
+            413,
+            f"the request's work, {work:,} (source pieces x beam or samples x length limit, over "
+            f"its lines), is over this server's {limits.max_work:,}; send fewer or shorter lines, "
+            "a smaller beam or a lower length limit",
+        )
 
 
 def _one_line(text: str) -> str:

@@ -141,9 +141,14 @@ class BatchingWorker:
                 prefixes = [p for job in batch for p in (job.prefixes or [""] * len(job.lines))]
                 constraints = [c for job in batch for c in (job.constraints or [[]] * len(job.lines))]
                 numbers = [number for job in batch for number in range(len(job.lines))]  # a line's index in its request
-                results = self.translator.translate_with(lines, batch[0].decode, prefixes=prefixes,
-                                                         constraints=constraints, line_numbers=numbers,
-                                                         deadline=deadline)  # fmt: skip
+                results = self.translator.translate_with(
+                    lines,
+                    batch[0].decode,
+                    prefixes=prefixes,
+                    constraints=constraints,
+                    line_numbers=numbers,
+                    deadline=deadline,
+                )
         except Exception as error:  # DeadlinePassed: the clients have left; anything else answers 500
             if not isinstance(error, DeadlinePassed):  # the details go to the server's log, never to the client
                 traceback.print_exc(file=sys.stderr)
@@ -185,8 +190,14 @@ def create_app(
     async def health(request: Request) -> dict:
         if not authorized(request):
             return {"status": "ok"}
-        return {"status": "ok", "engine": translator.engine, "model": model_name, "requests": worker.requests,
-                "batches": worker.batches, "waiting": worker.waiting}  # fmt: skip
+        return {
+            "status": "ok",
+            "engine": translator.engine,
+            "model": model_name,
+            "requests": worker.requests,
+            "batches": worker.batches,
+            "waiting": worker.waiting,
+        }
 
     async def run(request: Request, parse) -> tuple[Job, list] | JSONResponse:
         """Check, read and queue a request, and wait for its results (or the error response)."""
@@ -197,8 +208,9 @@ def create_app(
             future = worker.submit(job)
         except RequestError as error:
             return _error(error.status, str(error), retry=error.status == 503)
-        late = _error(503, f"the request took over {limits.request_timeout:g} s; try fewer or shorter lines",
-                      retry=True)  # fmt: skip
+        late = _error(
+            503, f"the request took over {limits.request_timeout:g} s; try fewer or shorter lines", retry=True
+        )
         try:
             return job, await asyncio.wait_for(asyncio.wrap_future(future), limits.request_timeout)
         except (asyncio.TimeoutError, DeadlinePassed):  # the worker skips it, or stops it within a step
@@ -225,8 +237,13 @@ def create_app(
         if isinstance(outcome, JSONResponse):
             return outcome
         _, results = outcome
-        return JSONResponse({"scores": [{"score": pair.score, "log_prob": pair.log_prob, "pieces": len(pair.pieces)}
-                                        for pair in results]})  # fmt: skip
+        return JSONResponse(
+            {
+                "scores": [
+                    {"score": pair.score, "log_prob": pair.log_prob, "pieces": len(pair.pieces)} for pair in results
+                ]
+            }
+        )
 
     return app
 
@@ -296,11 +313,19 @@ def serve(
         except OSError as error:
             raise UserInputError(f"--host {host} --port {port}: cannot listen there ({error.strerror})") from None
     if api_key is None and not is_loopback(host):
-        log.warning("serving on %s without an API key: anyone who reaches this address can use the model; set "
-                    "--api-key or %s", host, API_KEY_VARIABLE)  # fmt: skip
+        log.warning(
+            "serving on %s without an API key: anyone who reaches this address can use the model; set --api-key or %s",
+            host,
+            API_KEY_VARIABLE,
+        )
     translator = Translator.load(model)
     name = " + ".join(map(str, model)) if isinstance(model, list) else str(model)
     app = create_app(translator, model_name=name, limits=limits, api_key=api_key)
     # a request admitted before SIGTERM may take up to request_timeout: shutdown waits as long for it
-    uvicorn.run(app, host=host, port=port, log_level="warning",
-                timeout_graceful_shutdown=max(1, math.ceil(limits.request_timeout)))  # fmt: skip
+    uvicorn.run(
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        timeout_graceful_shutdown=max(1, math.ceil(limits.request_timeout)),
+    )

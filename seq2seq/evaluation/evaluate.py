@@ -76,14 +76,21 @@ def evaluate_files(
         write_text_atomic(hypotheses_path, "".join(h + "\n" for h in evaluation.hypotheses))
     if json_path:
         named = ", ".join(map(str, model)) if isinstance(model, list) else str(model)
-        report = {**evaluation.scores.to_dict(), "model": named, "engine": translator.engine, "src": str(src),
-                  "refs": [str(r) for r in refs], "beam": decode.beam}  # fmt: skip
+        report = {
+            **evaluation.scores.to_dict(),
+            "model": named,
+            "engine": translator.engine,
+            "src": str(src),
+            "refs": [str(r) for r in refs],
+            "beam": decode.beam,
+        }
         write_text_atomic(json_path, json.dumps(report, indent=2) + "\n")
     return evaluation
 
 
-def score_files(hyp: Path, refs: list[Path], *, options: ScoreOptions = ScoreOptions(),
-                json_path: Path | None = None) -> Scores:  # fmt: skip
+def score_files(
+    hyp: Path, refs: list[Path], *, options: ScoreOptions = ScoreOptions(), json_path: Path | None = None
+) -> Scores:
     """`seq2seq score`: existing hypotheses against one or more reference files, as `sacrebleu` scores them."""
     if json_path is not None:
         check_writable(json_path)

@@ -116,9 +116,14 @@ def _metric(name: str, options: ScoreOptions):
 
 def _details(result) -> dict:
     if result.name == "BLEU":
-        return {"precisions": [round(p, 4) for p in result.precisions], "brevity_penalty": result.bp,
-                "length_ratio": result.ratio, "hyp_len": result.sys_len, "ref_len": result.ref_len,
-                "verbose": result._verbose}  # fmt: skip
+        return {
+            "precisions": [round(p, 4) for p in result.precisions],
+            "brevity_penalty": result.bp,
+            "length_ratio": result.ratio,
+            "hyp_len": result.sys_len,
+            "ref_len": result.ref_len,
+            "verbose": result._verbose,
+        }
     if result.name == "TER":
         return {"num_edits": result.num_edits, "ref_length": result.ref_length}
     return {}

@@ -109,8 +109,11 @@ def plan_scoring(
     source_ids = capacity.source_model.encode([normalize(line) for line in sources], add_eos=True)
     target_ids = capacity.target_model.encode([normalize(line) for line in targets], add_eos=True)
     pairs = enumerate(zip(source_ids, target_ids))
-    problems = [f"{names.of('line', index)}: {problem}" for index, (source, target) in pairs
-                if (problem := _beyond_positions(capacity, len(source), len(target)))]  # fmt: skip
+    problems = [
+        f"{names.of('line', index)}: {problem}"
+        for index, (source, target) in pairs
+        if (problem := _beyond_positions(capacity, len(source), len(target)))
+    ]
     _raise(problems)
     return [LinePlan(len(source), len(target), 1) for source, target in zip(source_ids, target_ids)]
 
@@ -123,9 +126,11 @@ def _beyond_positions(capacity: Capacity, source: int, output: int) -> str:
     advice = "translate it with the checkpoint (.pt), or export again with a larger --max-positions"
     if source > most:
         return f"{source:,} source pieces with its end of sentence; the model's positions hold {most:,}: {advice}"
-    return (f"its output may reach {output:,} tokens (decode.max_len_a x {source:,} source pieces + max_len_b, "
-            f"with its guidance); the model's positions hold {most:,}: lower decode.max_len_a / max_len_b, or "
-            f"{advice}")  # fmt: skip
+    return (
+        f"its output may reach {output:,} tokens (decode.max_len_a x {source:,} source pieces + max_len_b, "
+        f"with its guidance); the model's positions hold {most:,}: lower decode.max_len_a / max_len_b, or "
+        f"{advice}"
+    )
 
 
 def unspellable(capacity: Capacity, phrase: str, ids: list[int] | None = None) -> str:
@@ -136,8 +141,10 @@ def unspellable(capacity: Capacity, phrase: str, ids: list[int] | None = None) -
     if unknown not in (model.encode(normalize(phrase)) if ids is None else ids):
         return ""
     missing = "".join(sorted({char for char in phrase if unknown in model.encode(char)}))
-    return (f"{_short(phrase)} has characters the target vocabulary cannot spell ({missing!r}); it would be met by "
-            "the unknown piece: write it in the target's script or leave it out")  # fmt: skip
+    return (
+        f"{_short(phrase)} has characters the target vocabulary cannot spell ({missing!r}); it would be met by "
+        "the unknown piece: write it in the target's script or leave it out"
+    )
 
 
 def _target_ids(

@@ -141,8 +141,11 @@ class ConstrainedBeams:
         pairs.update((k, token) for k, state in enumerate(self.states) for token in self.constraints.wanted(state))
         ordered = sorted(pairs)
         values = totals[[k for k, _ in ordered], [token for _, token in ordered]].tolist()
-        return [Candidate(value, k, token, self._after(k, token))
-                for (k, token), value in zip(ordered, values) if value > -math.inf]  # fmt: skip
+        return [
+            Candidate(value, k, token, self._after(k, token))
+            for (k, token), value in zip(ordered, values)
+            if value > -math.inf
+        ]
 
     def _continuation_mask(self, vocab: int, device: torch.device) -> Tensor:
         if self._continuations is None:
@@ -180,5 +183,8 @@ def padded(continuing: list[Candidate], beam: int, device: torch.device) -> tupl
     scores = [c.score for c in continuing] + [-math.inf] * missing
     tokens = [c.token for c in continuing] + [PAD_ID] * missing
     beams = [c.beam for c in continuing] + [0] * missing
-    return (torch.tensor(scores, device=device), torch.tensor(tokens, device=device),
-            torch.tensor(beams, device=device))  # fmt: skip
+    return (
+        torch.tensor(scores, device=device),
+        torch.tensor(tokens, device=device),
+        torch.tensor(beams, device=device),
+    )

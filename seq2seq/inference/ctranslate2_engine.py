@@ -78,8 +78,14 @@ class CTranslate2Engine:
     instead = "translate with the checkpoint (.pt) instead of the exported model"
     constrained_search = False  # its issue #739
 
-    def __init__(self, runtime: ctranslate2.Translator, src: spm.SentencePieceProcessor,
-                 tgt: spm.SentencePieceProcessor, *, max_positions: int) -> None:  # fmt: skip
+    def __init__(
+        self,
+        runtime: ctranslate2.Translator,
+        src: spm.SentencePieceProcessor,
+        tgt: spm.SentencePieceProcessor,
+        *,
+        max_positions: int,
+    ) -> None:
         self.runtime, self.src, self.tgt = runtime, src, tgt
         self.source_model, self.target_model, self.max_positions = src, tgt, max_positions
 
@@ -121,11 +127,21 @@ class CTranslate2Engine:
         results = []
         for start, end in _spans([len(line) + 1 for line in src], decode.batch_tokens if deadline else None):
             _check(deadline)
-            results += self.runtime.score_batch(src[start:end], tgt[start:end], max_batch_size=decode.batch_tokens,
-                                                batch_type="tokens", max_input_length=0)  # fmt: skip
-        return [PairScore([*pieces, "</s>"], list(result.log_probs),
-                          decode.normalized_score(sum(result.log_probs), len(result.log_probs)))
-                for pieces, result in zip(tgt, results)]  # fmt: skip
+            results += self.runtime.score_batch(
+                src[start:end],
+                tgt[start:end],
+                max_batch_size=decode.batch_tokens,
+                batch_type="tokens",
+                max_input_length=0,
+            )
+        return [
+            PairScore(
+                [*pieces, "</s>"],
+                list(result.log_probs),
+                decode.normalized_score(sum(result.log_probs), len(result.log_probs)),
+            )
+            for pieces, result in zip(tgt, results)
+        ]
 
 
 def _translate(
@@ -152,8 +168,13 @@ def _translate(
     exponent = _ctranslate2_exponent(decode)
     draws = decode.nbest if decode.sample else 1  # a sampled line goes in nbest times, one draw each
     if decode.sample:
-        search = {"beam_size": 1, "num_hypotheses": 1, "sampling_topk": decode.top_k,
-                  "sampling_topp": decode.top_p, "sampling_temperature": decode.temperature}  # fmt: skip
+        search = {
+            "beam_size": 1,
+            "num_hypotheses": 1,
+            "sampling_topk": decode.top_k,
+            "sampling_topp": decode.top_p,
+            "sampling_temperature": decode.temperature,
+        }
     else:
         search = {"beam_size": decode.beam, "patience": decode.patience, "num_hypotheses": decode.beam}
     if deadline is not None and search["beam_size"] == 1:

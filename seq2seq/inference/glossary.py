@@ -48,8 +48,9 @@ def _whole_words(term: str) -> re.Pattern:
     return re.compile(rf"(?<!\w){re.escape(term)}(?!\w)")
 
 
-def merged_constraints(lines: list[str], constraints: list[list[str]] | None,
-                       glossary: Glossary | None) -> list[list[str]] | None:  # fmt: skip
+def merged_constraints(
+    lines: list[str], constraints: list[list[str]] | None, glossary: Glossary | None
+) -> list[list[str]] | None:
     """Each line's own constraints, then its glossary terms (a term already asked for is not doubled)."""
     if glossary is None:
         return constraints

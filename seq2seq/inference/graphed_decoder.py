@@ -36,8 +36,18 @@ class StaticLayerCache:
     """One decoder layer's keys/values in fixed buffers: self-attention (N, h, max_length, hd) for the
     N physical rows, cross-attention (B, h, S, hd) for the B sentences (execution.LayerCache's fields)."""
 
-    def __init__(self, *, rows: int, sentences: int, source_length: int, max_length: int, heads: int,
-                 head_dim: int, position: Tensor, dtype: torch.dtype) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        rows: int,
+        sentences: int,
+        source_length: int,
+        max_length: int,
+        heads: int,
+        head_dim: int,
+        position: Tensor,
+        dtype: torch.dtype,
+    ) -> None:
         device = position.device
         self.self_k = torch.zeros(rows, heads, max_length, head_dim, dtype=dtype, device=device)
         self.self_v = torch.zeros_like(self.self_k)
@@ -57,8 +67,9 @@ class StaticLayerCache:
 class DecoderStep:
     """The fixed buffers of one batch shape and the decoder step over them, optionally as a CUDA graph."""
 
-    def __init__(self, model: Seq2SeqTransformer, *, rows: int, sentences: int, source_length: int,
-                 max_length: int) -> None:  # fmt: skip
+    def __init__(
+        self, model: Seq2SeqTransformer, *, rows: int, sentences: int, source_length: int, max_length: int
+    ) -> None:
         self.model = model
         self.rows, self.sentences, self.source_length, self.max_length = rows, sentences, source_length, max_length
         weight = model.output_proj.weight
@@ -209,8 +220,9 @@ class GraphedDecoder:
         key = (rows, sentences, source_length, max_length)
         step = self._steps.pop(key, None)
         if step is None:
-            step = DecoderStep(self.model, rows=rows, sentences=sentences, source_length=source_length,
-                               max_length=max_length)  # fmt: skip
+            step = DecoderStep(
+                self.model, rows=rows, sentences=sentences, source_length=source_length, max_length=max_length
+            )
             if self.graphs:
                 step.capture(self._pool)
         self._steps[key] = step

@@ -41,8 +41,17 @@ class PyTorchEngine:
         line_numbers: list[int] | None = None,
         deadline: float | None = None,
     ) -> list[Translation]:
-        return translate_lines(self.model, self.tokenizer, lines, decode, progress=progress, prefixes=prefixes,
-                               constraints=constraints, line_numbers=line_numbers, deadline=deadline)  # fmt: skip
+        return translate_lines(
+            self.model,
+            self.tokenizer,
+            lines,
+            decode,
+            progress=progress,
+            prefixes=prefixes,
+            constraints=constraints,
+            line_numbers=line_numbers,
+            deadline=deadline,
+        )
 
     @torch.no_grad()
     def score(
@@ -100,16 +109,23 @@ def translate_lines(
         bar.update(len(lines) - len(non_empty))
         for indices in batches:
             src = pad([encoded[i] for i in indices]).to(device)
-            found = search(decoder, src, config, lines=numbers[indices].tolist(), deadline=deadline,
-                           guidance=guidance.subset(indices.tolist()))  # fmt: skip
+            found = search(
+                decoder,
+                src,
+                config,
+                lines=numbers[indices].tolist(),
+                deadline=deadline,
+                guidance=guidance.subset(indices.tolist()),
+            )
             for index, hyps in zip(non_empty[indices].tolist(), found):
                 results[index] = Translation([(tokenizer.decode_tgt(h.tokens), h.score) for h in hyps])
             bar.update(len(indices))
     return results
 
 
-def _encoded_guidance(tokenizer: Tokenizer, rows: list[int], prefixes: list[str] | None,
-                      constraints: list[list[str]] | None) -> Guidance:  # fmt: skip
+def _encoded_guidance(
+    tokenizer: Tokenizer, rows: list[int], prefixes: list[str] | None, constraints: list[list[str]] | None
+) -> Guidance:
     """The guidance of the lines at `rows`, as target ids: phrases that encode to nothing are dropped."""
     prefix_ids = tokenizer.encode_tgt([normalize(prefixes[row]) for row in rows]) if prefixes else [[] for _ in rows]
     phrases = [[normalize(phrase) for phrase in constraints[row]] if constraints else [] for row in rows]

@@ -118,8 +118,9 @@ class Guidance:
         its length + 1 (guidance_limit), the constraint tokens add to it."""
         prefixes = [len(prefix) for prefix in self.prefixes]
         extra = [sum(len(phrase) for phrase in phrases) for phrases in self.constraints]
-        limits = [guidance_limit(limit, prefix) + added
-                  for limit, prefix, added in zip(lengths.tolist(), prefixes, extra)]  # fmt: skip
+        limits = [
+            guidance_limit(limit, prefix) + added for limit, prefix, added in zip(lengths.tolist(), prefixes, extra)
+        ]
         return torch.tensor(limits, dtype=torch.long, device=lengths.device)
 
     def prefix_table(self, device: torch.device) -> Tensor | None:
@@ -131,13 +132,17 @@ class Guidance:
         return torch.tensor(rows, dtype=torch.long, device=device)
 
     def subset(self, sentences: list[int]) -> Guidance:
-        return Guidance([self.prefixes[i] for i in sentences], [self.constraints[i] for i in sentences],
-                        self.continuations)  # fmt: skip
+        return Guidance(
+            [self.prefixes[i] for i in sentences], [self.constraints[i] for i in sentences], self.continuations
+        )
 
     def repeated(self, times: int) -> Guidance:
         """Each sentence's guidance `times` times in a row (sampling draws a line several times)."""
-        return Guidance([p for p in self.prefixes for _ in range(times)],
-                        [c for c in self.constraints for _ in range(times)], self.continuations)  # fmt: skip
+        return Guidance(
+            [p for p in self.prefixes for _ in range(times)],
+            [c for c in self.constraints for _ in range(times)],
+            self.continuations,
+        )
 
 
 def _forced(table: Tensor | None, step: int, beam: int = 1) -> Tensor | None:
@@ -259,8 +264,15 @@ def greedy_search(
     while active:
         _check(deadline)
         logits = model.decode(prefixes[:, -1:], memory, src_mask, cache)[:, -1]
-        log_probs = _next_log_probs(logits, step, max_lengths, config, prefixes, shortest_limit=shortest_limit,
-                                    forced=_forced(prefix_table, step))  # fmt: skip
+        log_probs = _next_log_probs(
+            logits,
+            step,
+            max_lengths,
+            config,
+            prefixes,
+            shortest_limit=shortest_limit,
+            forced=_forced(prefix_table, step),
+        )
         if uniforms is None:
             best_log_prob, best = log_probs.max(-1)
         else:
@@ -313,8 +325,11 @@ def beam_search(
     limits = max_lengths.tolist()  # per original sentence, on the host
     shortest_limit = min(limits)
     prefix_table = guidance.prefix_table(src.device)
-    constrained = {index: ConstrainedBeams(Constraints(phrases, guidance.continuations), beam)
-                   for index, phrases in enumerate(guidance.constraints) if any(phrases)}  # fmt: skip
+    constrained = {
+        index: ConstrainedBeams(Constraints(phrases, guidance.continuations), beam)
+        for index, phrases in enumerate(guidance.constraints)
+        if any(phrases)
+    }
     active = list(range(batch))
     scores = torch.full((batch, beam), -math.inf, device=src.device)
     scores[:, 0] = 0.0  # all beams start identical: only the first may expand
@@ -325,9 +340,16 @@ def beam_search(
         _check(deadline)
         logits = model.decode(prefixes[:, -1:], memory, src_mask, cache)[:, -1]
         row_max = max_lengths.repeat_interleave(beam)
-        log_probs = _next_log_probs(logits, step, row_max, config, prefixes, shortest_limit=shortest_limit,
-                                    forced=_forced(prefix_table, step, beam),
-                                    prefix_ends=_prefix_ends(prefix_table, step, beam))  # fmt: skip
+        log_probs = _next_log_probs(
+            logits,
+            step,
+            row_max,
+            config,
+            prefixes,
+            shortest_limit=shortest_limit,
+            forced=_forced(prefix_table, step, beam),
+            prefix_ends=_prefix_ends(prefix_table, step, beam),
+        )
         log_probs = log_probs.view(len(active), beam, -1)
         cand_scores, cand_tokens, cand_beams = beam_step(log_probs, scores, 2 * beam)
         # An EOS among the top `beam` candidates ends a hypothesis (fairseq's rule; keeps beam 1 == greedy).
@@ -346,8 +368,9 @@ def beam_search(
         for row in guided:
             index = active[row]
             last = limits[index] <= step + 1
-            ended, continuing = constrained[index].step(log_probs[row], previous[row], at_limit=last,
-                                                        none_finished=not finished[index])  # fmt: skip
+            ended, continuing = constrained[index].step(
+                log_probs[row], previous[row], at_limit=last, none_finished=not finished[index]
+            )
             _finish_constrained(finished[index], prefixes[row * beam : (row + 1) * beam], ended, config)
             scores[row], tokens[row], beams[row] = padded(continuing, beam, src.device)
         rows = (torch.arange(len(active), device=src.device).unsqueeze(1) * beam + beams).view(-1)
@@ -386,8 +409,9 @@ def _finish(
     beam = prefixes.size(0) // len(active)
     beam_rows = rows * beam + cand_beams[rows, ranks]
     outputs = prefixes.index_select(0, beam_rows)[:, 1:].tolist()
-    for row, tokens, token, total in zip(rows.tolist(), outputs, cand_tokens[rows, ranks].tolist(),
-                                         cand_scores[rows, ranks].tolist()):  # fmt: skip
+    for row, tokens, token, total in zip(
+        rows.tolist(), outputs, cand_tokens[rows, ranks].tolist(), cand_scores[rows, ranks].tolist()
+    ):
         length = len(tokens) + 1  # with its EOS, or with the token that reached the limit
         tokens = tokens if token == EOS_ID else [*tokens, token]
         finished[active[row]].append(Hypothesis(tokens, length_normalized(total, length, config), total))
@@ -420,8 +444,9 @@ def sample_search(
     lines = list(range(src.size(0))) if lines is None else lines
     repeated = guidance.repeated(config.nbest) if guidance is not None else None
     keys = [(line, draw) for line in lines for draw in range(config.nbest)]
-    draws = greedy_search(model, src.repeat_interleave(config.nbest, dim=0), config, draws=keys, guidance=repeated,
-                          deadline=deadline)  # fmt: skip
+    draws = greedy_search(
+        model, src.repeat_interleave(config.nbest, dim=0), config, draws=keys, guidance=repeated, deadline=deadline
+    )
     grouped = [sum(draws[i : i + config.nbest], []) for i in range(0, len(draws), config.nbest)]
     return [sorted(hypotheses, key=lambda h: h.score, reverse=True) for hypotheses in grouped]
 

@@ -69,8 +69,10 @@ class Translator:
         path = Path(path)
         if path.is_dir():
             if not (path / EXPORT_METADATA).is_file():
-                raise UserInputError(f"{path}: not an exported model (no {EXPORT_METADATA}); expected a checkpoint "
-                                     "file (.pt) or a directory written by `seq2seq export`")  # fmt: skip
+                raise UserInputError(
+                    f"{path}: not an exported model (no {EXPORT_METADATA}); expected a checkpoint "
+                    "file (.pt) or a directory written by `seq2seq export`"
+                )
             from seq2seq.inference.ctranslate2_engine import load_exported
 
             decode, engine = load_exported(path, device=device)
@@ -91,13 +93,16 @@ class Translator:
 
         exported = [str(path) for path in paths if path.is_dir()]
         if exported:
-            raise UserInputError(f"{', '.join(exported)}: an ensemble needs checkpoints (.pt); CTranslate2 decodes "
-                                 "one model")  # fmt: skip
+            raise UserInputError(
+                f"{', '.join(exported)}: an ensemble needs checkpoints (.pt); CTranslate2 decodes one model"
+            )
         checkpoints = [Checkpoint.load(path) for path in paths]
         for path, checkpoint in zip(paths[1:], checkpoints[1:]):  # before any model is built
             if checkpoint.tokenizer.protos() != checkpoints[0].tokenizer.protos():
-                raise UserInputError(f"{path}: its vocabulary differs from {paths[0]}'s; an ensemble's models must "
-                                     "share the source and target SentencePiece models")  # fmt: skip
+                raise UserInputError(
+                    f"{path}: its vocabulary differs from {paths[0]}'s; an ensemble's models must "
+                    "share the source and target SentencePiece models"
+                )
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         ensemble = Ensemble([checkpoint.build_model(device) for checkpoint in checkpoints])
         return cls.from_model(ensemble, checkpoints[0].tokenizer, checkpoints[0].config.decode)
@@ -127,8 +132,10 @@ class Translator:
         if constrained and decode.sample:
             raise UserInputError("terminology constraints need beam search; they cannot be sampled (decode.sample)")
         engine = self._engine
-        refused = [f"decode.{option.name}: {engine.title} has no {lacking}; leave it out, or {engine.instead}"
-                   for option, lacking in refusals(decode, engine.name, given=set(given))]  # fmt: skip
+        refused = [
+            f"decode.{option.name}: {engine.title} has no {lacking}; leave it out, or {engine.instead}"
+            for option, lacking in refusals(decode, engine.name, given=set(given))
+        ]
         if constrained and not engine.constrained_search:
             refused.append(f"terminology constraints: {engine.title} has no constrained search; {engine.instead}")
         if refused:
@@ -175,8 +182,12 @@ class Translator:
         output must contain; glossary: a Glossary whose terms apply to the lines that contain their
         source term (both checkpoint only)."""
         lines = list(lines)
-        return self.translate_with(lines, self.settings(**options), prefixes=prefixes,
-                                   constraints=merged_constraints(lines, constraints, glossary))  # fmt: skip
+        return self.translate_with(
+            lines,
+            self.settings(**options),
+            prefixes=prefixes,
+            constraints=merged_constraints(lines, constraints, glossary),
+        )
 
     def score(self, sources: list[str], targets: list[str], **options: Any) -> list[PairScore]:
         """How likely the model finds each given target for its source (force-decoding): per-piece
@@ -218,8 +229,15 @@ class Translator:
             constraints = None
         self.check_supported(decode, constrained=constraints is not None)
         self.plan(lines, decode, prefixes=prefixes, constraints=constraints, names=names)
-        return self._engine.translate(lines, decode, progress, prefixes=prefixes, constraints=constraints,
-                                      line_numbers=line_numbers, deadline=deadline)  # fmt: skip
+        return self._engine.translate(
+            lines,
+            decode,
+            progress,
+            prefixes=prefixes,
+            constraints=constraints,
+            line_numbers=line_numbers,
+            deadline=deadline,
+        )
 
 
 @dataclass(frozen=True)
@@ -248,8 +266,11 @@ class LineGuides:
     def names(self, source: str) -> Names:
         """How errors name an input line and its guidance: by file and line."""
         source = "<stdin>" if source == "-" else source
-        return Names(line=f"{source}:{{number}}", prefix=f"{self.prefixes}:{{number}}",
-                     constraint=f"{self.constraints}:{{number}}")  # fmt: skip
+        return Names(
+            line=f"{source}:{{number}}",
+            prefix=f"{self.prefixes}:{{number}}",
+            constraint=f"{self.constraints}:{{number}}",
+        )
 
     def aligned(self, lines: Iterable[str]) -> Iterator[tuple[str, str, list[str]]]:
         """(line, prefix, constraints) for each input line; a guidance file of another length is one line."""
@@ -265,8 +286,10 @@ class LineGuides:
                 return
             if len(present) != len(row):
                 short = [name for name in row if name not in present]
-                raise UserInputError(f"{', '.join(short)}: ends before line {number} of {', '.join(present)}; "
-                                     "expected one guidance line per input line")  # fmt: skip
+                raise UserInputError(
+                    f"{', '.join(short)}: ends before line {number} of {', '.join(present)}; "
+                    "expected one guidance line per input line"
+                )
             yield row["input"], row.get(str(self.prefixes), ""), row.get(str(self.constraints), [])
 
 
@@ -305,16 +328,21 @@ def translate_file(
     if source != "-" and (guided or translator.max_positions is not None):  # a line it would refuse: before any work
         for chunk, first in _numbered(chunked(guides.aligned(read_lines(source)), FILE_CHUNK_LINES)):
             lines, prefixes, constraints = _guidance(chunk, glossary, guided=guided)
-            translator.plan(lines, decode, prefixes=prefixes, constraints=constraints,
-                            names=dataclasses.replace(names, first=first))  # fmt: skip
+            translator.plan(
+                lines, decode, prefixes=prefixes, constraints=constraints, names=dataclasses.replace(names, first=first)
+            )
     lines_in = decode_lines(sys.stdin.buffer, "<stdin>") if source == "-" else read_lines(source)
     rows = guides.aligned(lines_in)
     chunks = ([row] for row in rows) if stream else chunked(rows, FILE_CHUNK_LINES)
     first_chunk = next(chunks, [])
     bar = progress_bar(desc="translate", unit="sent", enabled=not (source == "-" or stream))
-    results = (result for chunk, first in _numbered(itertools.chain([first_chunk], chunks))
-               for result in _translated(translator, chunk, decode, bar, glossary, guided=guided,
-                                         names=dataclasses.replace(names, first=first)))  # fmt: skip
+    results = (
+        result
+        for chunk, first in _numbered(itertools.chain([first_chunk], chunks))
+        for result in _translated(
+            translator, chunk, decode, bar, glossary, guided=guided, names=dataclasses.replace(names, first=first)
+        )
+    )
     with _output(output) as sink:
         for index, result in enumerate(results):
             if decode.nbest > 1:  # an empty input line keeps its row: the empty translation
@@ -332,8 +360,16 @@ def translate_file(
     return plot_attention(translator.bundle.model, translator.bundle.tokenizer, lines, attention_plot, decode)
 
 
-def score_file(model: Path, *, src: Path, tgt: Path, output: str, decode_overrides: list[str], per_token: bool,
-               device: str | None = None) -> None:  # fmt: skip
+def score_file(
+    model: Path,
+    *,
+    src: Path,
+    tgt: Path,
+    output: str,
+    decode_overrides: list[str],
+    per_token: bool,
+    device: str | None = None,
+) -> None:
     """`seq2seq score-pairs`: one line per pair, `score<TAB>log-probability<TAB>pieces` (with
     per_token, a fourth column: each piece's log-probability, EOS last), in input order; the files are
     counted before the model is loaded and read a chunk at a time."""
@@ -347,8 +383,9 @@ def score_file(model: Path, *, src: Path, tgt: Path, output: str, decode_overrid
     names = Names(line=f"{src} and {tgt}, line {{number}}")
     if translator.max_positions is not None:  # a pair it would refuse: before any work
         for chunk, first in _numbered(chunked(zip(read_lines(src), read_lines(tgt)), FILE_CHUNK_LINES)):
-            translator.plan_scoring([s for s, _ in chunk], [t for _, t in chunk],
-                                    names=dataclasses.replace(names, first=first))  # fmt: skip
+            translator.plan_scoring(
+                [s for s, _ in chunk], [t for _, t in chunk], names=dataclasses.replace(names, first=first)
+            )
     pairs = chunked(zip(read_lines(src), read_lines(tgt)), FILE_CHUNK_LINES)
     with (
         _output(output) as sink,
@@ -381,8 +418,9 @@ def _numbered(chunks: Iterable[list]) -> Iterator[tuple[list, int]]:
         first += len(chunk)
 
 
-def _guidance(rows: list[tuple[str, str, list[str]]], glossary: Glossary | None,
-              *, guided: bool) -> tuple[list[str], list[str] | None, list[list[str]] | None]:  # fmt: skip
+def _guidance(
+    rows: list[tuple[str, str, list[str]]], glossary: Glossary | None, *, guided: bool
+) -> tuple[list[str], list[str] | None, list[list[str]] | None]:
     """LineGuides.aligned rows as lines, prefixes and constraints (the glossary's terms merged in)."""
     lines = [line for line, _, _ in rows]
     prefixes = [prefix for _, prefix, _ in rows] if guided else None
@@ -390,11 +428,20 @@ def _guidance(rows: list[tuple[str, str, list[str]]], glossary: Glossary | None,
     return lines, prefixes, constraints
 
 
-def _translated(translator: Translator, rows: list[tuple[str, str, list[str]]], decode: DecodeConfig, bar: tqdm,
-                glossary: Glossary | None, *, guided: bool, names: Names) -> Iterator[Translation]:  # fmt: skip
+def _translated(
+    translator: Translator,
+    rows: list[tuple[str, str, list[str]]],
+    decode: DecodeConfig,
+    bar: tqdm,
+    glossary: Glossary | None,
+    *,
+    guided: bool,
+    names: Names,
+) -> Iterator[Translation]:
     lines, prefixes, constraints = _guidance(rows, glossary, guided=guided)
     numbers = list(range(names.first, names.first + len(lines)))  # a sampled line draws by its line in the file
-    results = translator.translate_with(lines, decode, prefixes=prefixes, constraints=constraints,
-                                        line_numbers=numbers, names=names)  # fmt: skip
+    results = translator.translate_with(
+        lines, decode, prefixes=prefixes, constraints=constraints, line_numbers=numbers, names=names
+    )
     bar.update(len(lines))
     return iter(results)

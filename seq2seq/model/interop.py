@@ -19,8 +19,9 @@ def to_torch_transformer(model: Seq2SeqTransformer) -> nn.Transformer:
     """nn.Transformer (batch_first) computing what our encoder and decoder layers compute."""
     config = model.config
     pre = config.norm == "pre"
-    kwargs = dict(dim_feedforward=config.ffn_dim, dropout=0.0, activation=config.activation, batch_first=True,
-                  norm_first=pre)  # fmt: skip
+    kwargs = dict(
+        dim_feedforward=config.ffn_dim, dropout=0.0, activation=config.activation, batch_first=True, norm_first=pre
+    )
     encoder_layer = nn.TransformerEncoderLayer(config.d_model, config.heads, **kwargs)
     decoder_layer = nn.TransformerDecoderLayer(config.d_model, config.heads, **kwargs)
     reference = nn.Transformer(
@@ -28,21 +29,26 @@ def to_torch_transformer(model: Seq2SeqTransformer) -> nn.Transformer:
         nhead=config.heads,
         batch_first=True,
         custom_encoder=nn.TransformerEncoder(
-            encoder_layer, config.encoder_layers, norm=nn.LayerNorm(config.d_model) if pre else None,
+            encoder_layer,
+            config.encoder_layers,
+            norm=nn.LayerNorm(config.d_model) if pre else None,
             enable_nested_tensor=False,
         ),
         custom_decoder=nn.TransformerDecoder(
             decoder_layer, config.decoder_layers, norm=nn.LayerNorm(config.d_model) if pre else None
         ),
-    )  # fmt: skip
+    )
     for ours, theirs in zip(model.encoder_layers, reference.encoder.layers):
         _copy_attention(ours.self_attn, theirs.self_attn)
         _copy_block(ours, theirs, [(ours.self_attn_block, theirs.norm1), (ours.ffn_block, theirs.norm2)])
     for ours, theirs in zip(model.decoder_layers, reference.decoder.layers):
         _copy_attention(ours.self_attn, theirs.self_attn)
         _copy_attention(ours.cross_attn, theirs.multihead_attn)
-        norms = [(ours.self_attn_block, theirs.norm1), (ours.cross_attn_block, theirs.norm2),
-                 (ours.ffn_block, theirs.norm3)]  # fmt: skip
+        norms = [
+            (ours.self_attn_block, theirs.norm1),
+            (ours.cross_attn_block, theirs.norm2),
+            (ours.ffn_block, theirs.norm3),
+        ]
         _copy_block(ours, theirs, norms)
     if pre:
         reference.encoder.norm.load_state_dict(model.encoder_norm.state_dict())

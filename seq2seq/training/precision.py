@@ -115,20 +115,28 @@ def choose_precision(requested: str, device: torch.device, *, recorded: str | No
     if requested != "auto":
         if requested == "bf16" and device.type == "cpu" and not cpu_has_native_bf16():
             rates = cpu_matmul_rates()
-            log.warning("bf16 on this CPU is emulated: matmul %.0f GFLOP/s vs %.0f in fp32; use train.precision "
-                        "auto or fp32", rates.bf16, rates.fp32)  # fmt: skip
+            log.warning(
+                "bf16 on this CPU is emulated: matmul %.0f GFLOP/s vs %.0f in fp32; use train.precision auto or fp32",
+                rates.bf16,
+                rates.fp32,
+            )
         return Choice(requested, "as configured")
     if device.type == "cuda":
         if cuda_has_native_bf16(device):
             return Choice("bf16", f"auto: {torch.cuda.get_device_name(device)} runs bf16 natively")
-        return Choice("fp16", f"auto: {torch.cuda.get_device_name(device)} has no bf16 arithmetic; fp16 with loss "
-                              "scaling")  # fmt: skip
+        return Choice(
+            "fp16", f"auto: {torch.cuda.get_device_name(device)} has no bf16 arithmetic; fp16 with loss scaling"
+        )
     if cpu_has_native_bf16():
         rates = cpu_matmul_rates()
-        return Choice("bf16", f"auto: this CPU runs bf16 natively (matmul {rates.bf16:.0f} GFLOP/s, "
-                              f"fp32 {rates.fp32:.0f})")  # fmt: skip
+        return Choice(
+            "bf16", f"auto: this CPU runs bf16 natively (matmul {rates.bf16:.0f} GFLOP/s, fp32 {rates.fp32:.0f})"
+        )
     if onednn_runs_bf16():
         rates = cpu_matmul_rates()
-        return Choice("fp32", f"auto: bf16 is not {BF16_MARGIN:g}x fp32 on this CPU (matmul {rates.bf16:.0f} vs "
-                              f"{rates.fp32:.0f} GFLOP/s)")  # fmt: skip
+        return Choice(
+            "fp32",
+            f"auto: bf16 is not {BF16_MARGIN:g}x fp32 on this CPU (matmul {rates.bf16:.0f} vs "
+            f"{rates.fp32:.0f} GFLOP/s)",
+        )
     return Choice("fp32", "auto: this CPU has no bf16 arithmetic (oneDNN has no bf16 kernels for it)")

@@ -128,5 +128,6 @@ def _load_or_train_tokenizer(config: Config, run_dir: RunDir, progress: bool) ->
     data = {"langs": [config.data.src_lang, config.data.tgt_lang], **corpus_identity(config.data.train, "data.train")}
     train = config.data.train
     name = f"data.train ({', '.join(train.files().values()) or train.name})"
-    return load_or_train_tokenizer(run_dir.tokenizer, config.tokenizer, pairs, seed=config.train.seed,
-                                   data_identity=data, data_name=name)  # fmt: skip
+    return load_or_train_tokenizer(
+        run_dir.tokenizer, config.tokenizer, pairs, seed=config.train.seed, data_identity=data, data_name=name
+    )

@@ -136,8 +136,13 @@ class Trainer:
     def _prepare(self, resumed: Checkpoint | None, resumed_path: Path | None) -> None:
         config, tc = self.config, self.config.train
         torch.manual_seed(tc.seed)
-        self.tokenizer, self.data = prepare_run(config, self.run_dir, self.dist, progress=self.show_progress,
-                                                tokenizer=resumed.tokenizer if resumed else None)  # fmt: skip
+        self.tokenizer, self.data = prepare_run(
+            config,
+            self.run_dir,
+            self.dist,
+            progress=self.show_progress,
+            tokenizer=resumed.tokenizer if resumed else None,
+        )
         self.model = build_model(config.model, self.tokenizer).to(self.device)
         if self.dist.enabled:  # same initial weights everywhere (DDP also broadcasts them); own dropout streams
             torch.manual_seed(tc.seed + 7919 * self.dist.rank)
@@ -171,11 +176,21 @@ class Trainer:
         per_update = tc.accum_steps * dist.world_size  # batches consumed by one optimizer update
         log.info("model: %.2fM parameters; training on %s", _parameter_count(self.model) / 1e6, self.device)
         log.info("precision: %s (%s)", tc.precision, self.precision_reason)
-        log.info("effective batch: up to %d tokens x %d ranks x %d accumulation steps = %d tokens per update",
-                 tc.max_tokens, dist.world_size, tc.accum_steps, tc.max_tokens * per_update)  # fmt: skip
+        log.info(
+            "effective batch: up to %d tokens x %d ranks x %d accumulation steps = %d tokens per update",
+            tc.max_tokens,
+            dist.world_size,
+            tc.accum_steps,
+            tc.max_tokens * per_update,
+        )
         steps_alone = not (tc.max_time or tc.max_epochs)  # else the bar counts steps and shows the budget spent
-        bar = progress_bar(total=tc.max_steps if steps_alone else None, initial=progress.step, desc="train",
-                           unit="step", enabled=self.show_progress)  # fmt: skip
+        bar = progress_bar(
+            total=tc.max_steps if steps_alone else None,
+            initial=progress.step,
+            desc="train",
+            unit="step",
+            enabled=self.show_progress,
+        )
         # loss and tokens of the applied updates stay on the device until logged; window_tokens counts all
         window_loss = torch.zeros((), dtype=torch.float64, device=self.device)
         window_loss_tokens = torch.zeros_like(window_loss)
@@ -199,11 +214,21 @@ class Trainer:
                 spent = budget_spent(progress, tc, batches_per_epoch=len(batches) - len(batches) % per_update)
                 if progress.step == tc.warmup_steps:
                     progress.decay_start = spent
-                lr = learning_rate(progress.step, tc, d_model=self.config.model.d_model, spent=spent,
-                                   decay_start=progress.decay_start)  # fmt: skip
+                lr = learning_rate(
+                    progress.step, tc, d_model=self.config.model.d_model, spent=spent, decay_start=progress.decay_start
+                )
                 self.budget_spent = spent
-                step = train_step(self.model, self.optimizer, self.scaler, my_batches, update_tokens=update_tokens,
-                                  lr=lr, config=tc, forward=self.forward, ddp=self.ddp)  # fmt: skip
+                step = train_step(
+                    self.model,
+                    self.optimizer,
+                    self.scaler,
+                    my_batches,
+                    update_tokens=update_tokens,
+                    lr=lr,
+                    config=tc,
+                    forward=self.forward,
+                    ddp=self.ddp,
+                )
                 self.skipped.record(step.skipped)
                 if self.ema is not None:
                     self.ema.update(progress.step)
@@ -312,18 +337,38 @@ class Trainer:
                 progress.best_bleu, progress.stale_validations = chosen.scores.bleu, 0
             else:
                 progress.stale_validations += 1
-            log.info("step %d: valid loss %.3f, ppl %.2f, BLEU %.2f, chrF %.2f", progress.step, result.loss,
-                     result.perplexity, result.scores.bleu, result.scores.chrf)  # fmt: skip
+            log.info(
+                "step %d: valid loss %.3f, ppl %.2f, BLEU %.2f, chrF %.2f",
+                progress.step,
+                result.loss,
+                result.perplexity,
+                result.scores.bleu,
+                result.scores.chrf,
+            )
             if averaged is not None:
-                log.info("  weight average (ema): valid loss %.3f, BLEU %.2f, chrF %.2f", averaged.loss,
-                         averaged.scores.bleu, averaged.scores.chrf)  # fmt: skip
+                log.info(
+                    "  weight average (ema): valid loss %.3f, BLEU %.2f, chrF %.2f",
+                    averaged.loss,
+                    averaged.scores.bleu,
+                    averaged.scores.chrf,
+                )
             samples = zip(self.data.valid_text.src, self.data.valid_text.tgt, chosen.hypotheses)
             for src, ref, hyp in list(samples)[:2]:
                 log.info("  src: %s\n  ref: %s\n  hyp: %s", src, ref, hyp)
-            extra = {} if averaged is None else {"ema_loss": averaged.loss, "ema_bleu": averaged.scores.bleu,
-                                                 "ema_chrf": averaged.scores.chrf}  # fmt: skip
-            self.metrics.write("valid", step=progress.step, loss=result.loss, ppl=result.perplexity,
-                               bleu=result.scores.bleu, chrf=result.scores.chrf, **extra)  # fmt: skip
+            extra = (
+                {}
+                if averaged is None
+                else {"ema_loss": averaged.loss, "ema_bleu": averaged.scores.bleu, "ema_chrf": averaged.scores.chrf}
+            )
+            self.metrics.write(
+                "valid",
+                step=progress.step,
+                loss=result.loss,
+                ppl=result.perplexity,
+                bleu=result.scores.bleu,
+                chrf=result.scores.chrf,
+                **extra,
+            )
             if improved:
                 # best.pt is for translation, not resuming: rank 0's own RNG state is enough (no collective)
                 best = self._checkpoint([torch.get_rng_state()])
@@ -348,13 +393,20 @@ class Trainer:
         self.model.load_state_dict(averaged.model)
         result = self.evaluate_valid()
         names, scores = ", ".join(path.name for path in saves), result.scores
-        log.info("average of the last %d saves (%s): valid loss %.3f, BLEU %.2f (best so far %.2f)", len(saves),
-                 names, result.loss, scores.bleu, self.progress.best_bleu)  # fmt: skip
+        log.info(
+            "average of the last %d saves (%s): valid loss %.3f, BLEU %.2f (best so far %.2f)",
+            len(saves),
+            names,
+            result.loss,
+            scores.bleu,
+            self.progress.best_bleu,
+        )
         self.metrics.write("average", step=self.progress.step, loss=result.loss, bleu=scores.bleu, chrf=scores.chrf)
         if scores.bleu > self.progress.best_bleu:
             self.progress.best_bleu = scores.bleu
             dataclasses.replace(averaged, progress=dataclasses.replace(self.progress), weights="average").save(
-                self.run_dir.checkpoints / BEST)  # fmt: skip
+                self.run_dir.checkpoints / BEST
+            )
 
     def _stop_reason(self) -> str:
         """Why the run stops now ("" to go on): the same on every rank, whose clocks are rank 0's."""
@@ -402,8 +454,9 @@ class Trainer:
         if len(rng_states) == self.dist.world_size:
             torch.set_rng_state(rng_states[self.dist.rank])
         else:  # resumed with another number of ranks: dropout streams cannot continue exactly
-            log.warning("resuming %d ranks from a %d-rank run: dropout is reseeded", self.dist.world_size,
-                        len(rng_states))  # fmt: skip
+            log.warning(
+                "resuming %d ranks from a %d-rank run: dropout is reseeded", self.dist.world_size, len(rng_states)
+            )
             torch.manual_seed(self.config.train.seed + 7919 * self.dist.rank + self.progress.step)
         if torch.cuda.is_available() and checkpoint.rng.cuda:
             torch.cuda.set_rng_state_all(checkpoint.rng.cuda)
