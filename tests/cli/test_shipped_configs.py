@@ -20,3 +20,10 @@ def test_shipped_config_is_valid(path):
 
 def test_all_expected_configs_ship():
     assert {p.stem for p in CONFIGS} >= {"demo", "bible_en_es", "small_data", "iwslt14_de_en", "wmt14_en_de_base"}
+
+
+def test_the_demo_config_in_configs_is_the_one_the_demo_ships():
+    """`seq2seq demo` runs its packaged config (from any directory); configs/demo.yaml is the copy users
+    read and train with: one config, checked to stay one."""
+    shipped = Path(__file__).parents[2] / "seq2seq" / "cli" / "demo.yaml"
+    assert (Path(__file__).parents[2] / "configs" / "demo.yaml").read_bytes() == shipped.read_bytes()
