@@ -34,7 +34,8 @@ from seq2seq.config import DecodeConfig
 from seq2seq.data.batching import pad
 from seq2seq.data.sources import read_lines
 from seq2seq.inference.pytorch_engine import translate_lines
-from seq2seq.inference.search import PrefixCache, search
+from seq2seq.inference.search import search
+from seq2seq.inference.search_steps import PrefixCache
 from seq2seq.inference.translator import Translator
 from seq2seq.model.interop import to_torch_transformer
 

@@ -15,7 +15,8 @@ from seq2seq.data.tokenizer import Tokenizer
 from seq2seq.decoding import DecodeConfig
 from seq2seq.inference.engine import DeadlinePassed, PairScore, Translation
 from seq2seq.inference.graphed_decoder import GraphedDecoder, graphs_apply
-from seq2seq.inference.search import Guidance, search
+from seq2seq.inference.guidance import Guidance
+from seq2seq.inference.search import search
 from seq2seq.progress import progress_bar
 
 

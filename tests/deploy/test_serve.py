@@ -415,12 +415,12 @@ def test_a_request_past_its_timeout_stops_within_one_step_and_frees_the_worker(t
     next request at once."""
     from seq2seq.checkpoint import load_for_inference
     from seq2seq.deploy import serve as serve_module
-    from seq2seq.inference import search as search_module
+    from seq2seq.inference import search_steps
 
     clock = [0.0]
     fake_time = types.SimpleNamespace(monotonic=lambda: clock[0])
     monkeypatch.setattr(serve_module, "time", fake_time)
-    monkeypatch.setattr(search_module, "time", fake_time)
+    monkeypatch.setattr(search_steps, "time", fake_time)
     bundle = load_for_inference(trained_checkpoint[0], "cpu")
     model = SteppingModel(bundle.model, clock)
     translator = Translator.from_model(model, bundle.tokenizer, bundle.config.decode)

@@ -12,8 +12,10 @@ import torch
 from seq2seq.config import DecodeConfig, ModelConfig
 from seq2seq.data.special_tokens import BOS_ID, EOS_ID, PAD_ID
 from seq2seq.errors import UserInputError
+from seq2seq.inference.beam import beam_search
 from seq2seq.inference.ensemble import Ensemble
-from seq2seq.inference.search import PrefixCache, beam_search, greedy_search
+from seq2seq.inference.greedy import greedy_search
+from seq2seq.inference.search_steps import PrefixCache
 from seq2seq.model.transformer import Seq2SeqTransformer
 
 

@@ -11,8 +11,11 @@ import pytest
 import torch
 
 from seq2seq.data.special_tokens import EOS_ID
+from seq2seq.inference.beam import beam_search
 from seq2seq.inference.constraints import ConstrainedBeams, Constraints
-from seq2seq.inference.search import Guidance, beam_search, greedy_search, sample_search, search
+from seq2seq.inference.greedy import greedy_search, sample_search
+from seq2seq.inference.guidance import Guidance
+from seq2seq.inference.search import search
 from tests.inference.test_search import EMITTABLE, ScriptedModel, TableModel, no_norm, sentences
 
 

@@ -11,15 +11,10 @@ import torch
 
 from seq2seq.config import DecodeConfig, ModelConfig
 from seq2seq.data.special_tokens import BOS_ID, EOS_ID, PAD_ID
+from seq2seq.inference.beam import beam_search, beam_step
+from seq2seq.inference.greedy import greedy_search, sample_search
 from seq2seq.inference.sampling import sampling_candidates
-from seq2seq.inference.search import (
-    PrefixCache,
-    beam_search,
-    beam_step,
-    greedy_search,
-    length_normalized,
-    sample_search,
-)
+from seq2seq.inference.search_steps import PrefixCache, length_normalized
 from seq2seq.model.transformer import Seq2SeqTransformer
 
 VOCAB = 7  # ids 0-3 are pad/unk/bos/eos; the search may emit unk (1), eos (3) and 4, 5, 6
@@ -336,17 +331,18 @@ def test_a_search_past_its_deadline_stops_within_one_step(monkeypatch, settings)
     import types
 
     from seq2seq.inference import search as search_module
+    from seq2seq.inference import search_steps
     from seq2seq.inference.engine import DeadlinePassed
 
     clock = [0.0]
-    monkeypatch.setattr(search_module, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(search_steps, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
     model = CountingModel(clock)
     config = no_norm(max_len_b=40, min_len=40, **settings)  # 40 steps unless stopped
     with pytest.raises(DeadlinePassed):
         search_module.search(model, sentences(1, 2), config, deadline=3.5)
     assert model.steps == 4  # steps at 0, 1, 2 and 3 'seconds'; the one at 4 is never taken
     finished = CountingModel(clock := [0.0])
-    monkeypatch.setattr(search_module, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(search_steps, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
     assert len(search_module.search(finished, sentences(1, 2), config, deadline=100.0)) == 2  # in time: whole
 
 
@@ -370,9 +366,9 @@ def test_a_lines_samples_do_not_depend_on_its_batch():
 def test_a_sampled_output_ends_at_its_length_limit_whatever_the_draw(monkeypatch):
     """The draw never picks EOS here (as a broken distribution, NaN at a vanishing temperature, once
     did): each output still stops at its limit, instead of the search running on."""
-    from seq2seq.inference import search as search_module
+    from seq2seq.inference import greedy
 
-    monkeypatch.setattr(search_module, "draw_tokens", lambda log_probs, config, uniforms: torch.full_like(
+    monkeypatch.setattr(greedy, "draw_tokens", lambda log_probs, config, uniforms: torch.full_like(
         uniforms, 4, dtype=torch.long))  # fmt: skip
     config = no_norm(sample=True, nbest=2, max_len_b=5)
     outputs = sample_search(ScriptedModel(seed=2), sentences(1, 2), config)
