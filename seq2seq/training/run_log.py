@@ -168,3 +168,31 @@ def memory_figures(device: torch.device, rss_peaks: PeakRss | None = None) -> di
         figures["cuda_allocated_mb"] = torch.cuda.memory_allocated(device) / 2**20
         figures["cuda_reserved_mb"] = torch.cuda.memory_reserved(device) / 2**20
     return figures
+
+
+class LogWindow:
+    """The training loss and tokens since the last log line. The loss of the applied updates stays on
+    the device until the line is written (reading it every step would stall a GPU); a skipped
+    update's NaN never enters the mean."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.loss = torch.zeros((), dtype=torch.float64, device=device)
+        self.loss_tokens = torch.zeros_like(self.loss)
+        self.tokens, self.start, self.device = 0, time.perf_counter(), device
+
+    def add(self, step, tokens: int) -> None:
+        """One update (train_step.StepResult) of `tokens` target tokens on this rank."""
+        self.loss += torch.where(step.skipped, 0.0, step.loss_sum)
+        self.loss_tokens += (~step.skipped) * tokens
+        self.tokens += tokens
+
+    def flush(self, dist) -> tuple[float, float]:
+        """The window's mean loss per token and target tokens per second, over every rank; then empty it."""
+        loss, loss_tokens, tokens = dist.sum(
+            [*torch.stack([self.loss, self.loss_tokens]).tolist(), self.tokens], self.device
+        )
+        seconds = time.perf_counter() - self.start
+        self.loss.zero_()
+        self.loss_tokens.zero_()
+        self.tokens, self.start = 0, time.perf_counter()
+        return loss / max(loss_tokens, 1), tokens / seconds

@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from seq2seq.config import TrainConfig
 from seq2seq.data.batching import Batch
+from seq2seq.errors import UserInputError
 from seq2seq.training.loss import output_layer_loss
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -128,3 +129,38 @@ def step_unless_skipped(optimizer: torch.optim.Optimizer, scaler: torch.amp.Grad
         optimizer.step()
     finally:
         del optimizer.found_inf
+
+
+MAX_SKIPPED_IN_A_ROW = 20  # fp16 loss scaling alone can skip a few in a row; this many means divergence
+
+
+class TrainingDiverged(UserInputError):
+    """Too many consecutive updates with non-finite gradients: the settings need changing."""
+
+
+class SkippedUpdates:
+    """Counts updates skipped for non-finite gradients, on the device.
+
+    Reading a flag every step would stall a GPU until the step finishes (a host sync); these
+    counters are read only when the trainer logs or saves.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.total = torch.zeros((), dtype=torch.long, device=device)
+        self.in_a_row = torch.zeros_like(self.total)
+        self.longest_run = torch.zeros_like(self.total)
+
+    def record(self, skipped: torch.Tensor) -> None:
+        self.total += skipped
+        self.in_a_row = (self.in_a_row + 1) * skipped
+        torch.maximum(self.longest_run, self.in_a_row, out=self.longest_run)
+
+    def collect(self) -> tuple[int, int]:
+        """Skipped updates since the last call and the longest run in a row that reached into them.
+
+        A run that straddles two calls is counted whole once it goes on.
+        """
+        total, longest_run = (int(value) for value in torch.stack([self.total, self.longest_run]).tolist())
+        self.total.zero_()
+        self.longest_run.zero_()
+        return total, longest_run

@@ -21,14 +21,11 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from seq2seq.checkpoint import (
-    AVERAGED,
     BEST,
     LAST,
     Checkpoint,
     Progress,
     RngStates,
-    average_checkpoints,
-    numbered_checkpoints,
     save_numbered,
 )
 from seq2seq.config import Config
@@ -40,54 +37,23 @@ from seq2seq.training.distributed import setup_distributed
 from seq2seq.training.host_memory import HEAP_TRIM_EVERY, release_free_heap
 from seq2seq.training.precision import choose_precision
 from seq2seq.training.run_dir import RunDir, check_resumable, prepare_run
-from seq2seq.training.run_log import MetricsLog, PeakRss, log_to_file, memory_figures
+from seq2seq.training.run_log import LogWindow, MetricsLog, PeakRss, log_to_file, memory_figures
 from seq2seq.training.schedule import budget_spent, learning_rate
 from seq2seq.training.train_step import (
+    MAX_SKIPPED_IN_A_ROW,
+    SkippedUpdates,
     StepResult,
+    TrainingDiverged,
     autocast,
     build_optimizer,
     build_scaler,
     compile_for_training,
     train_step,
 )
-from seq2seq.training.validation import ValidationResult, validate
+from seq2seq.training.validation import ValidationResult, average_last_saves, report_validation, validate
 from seq2seq.training.weight_average import ExponentialAverage
 
 log = logging.getLogger(__name__)
-
-MAX_SKIPPED_IN_A_ROW = 20  # fp16 loss scaling alone can skip a few in a row; this many means divergence
-
-
-class TrainingDiverged(UserInputError):
-    """Too many consecutive updates with non-finite gradients: the settings need changing."""
-
-
-class SkippedUpdates:
-    """Counts updates skipped for non-finite gradients, on the device.
-
-    Reading a flag every step would stall a GPU until the step finishes (a host sync); these
-    counters are read only when the trainer logs or saves.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.total = torch.zeros((), dtype=torch.long, device=device)
-        self.in_a_row = torch.zeros_like(self.total)
-        self.longest_run = torch.zeros_like(self.total)
-
-    def record(self, skipped: torch.Tensor) -> None:
-        self.total += skipped
-        self.in_a_row = (self.in_a_row + 1) * skipped
-        torch.maximum(self.longest_run, self.in_a_row, out=self.longest_run)
-
-    def collect(self) -> tuple[int, int]:
-        """Skipped updates since the last call and the longest run in a row that reached into them.
-
-        A run that straddles two calls is counted whole once it goes on.
-        """
-        total, longest_run = (int(value) for value in torch.stack([self.total, self.longest_run]).tolist())
-        self.total.zero_()
-        self.longest_run.zero_()
-        return total, longest_run
 
 
 @dataclass(frozen=True)
@@ -174,15 +140,7 @@ class Trainer:
     def _run(self) -> TrainResult:
         tc, progress, dist = self.config.train, self.progress, self.dist
         per_update = tc.accum_steps * dist.world_size  # batches consumed by one optimizer update
-        log.info("model: %.2fM parameters; training on %s", _parameter_count(self.model) / 1e6, self.device)
-        log.info("precision: %s (%s)", tc.precision, self.precision_reason)
-        log.info(
-            "effective batch: up to %d tokens x %d ranks x %d accumulation steps = %d tokens per update",
-            tc.max_tokens,
-            dist.world_size,
-            tc.accum_steps,
-            tc.max_tokens * per_update,
-        )
+        self._announce(per_update)
         steps_alone = not (tc.max_time or tc.max_epochs)  # else the bar counts steps and shows the budget spent
         bar = progress_bar(
             total=tc.max_steps if steps_alone else None,
@@ -191,73 +149,20 @@ class Trainer:
             unit="step",
             enabled=self.show_progress,
         )
-        # loss and tokens of the applied updates stay on the device until logged; window_tokens counts all
-        window_loss = torch.zeros((), dtype=torch.float64, device=self.device)
-        window_loss_tokens = torch.zeros_like(window_loss)
-        window_tokens, window_start = 0, time.perf_counter()
+        window = LogWindow(self.device)
         stop_reason = self._stop_reason()  # a resumed run may have finished already
         while not stop_reason:
             corpus = self.data.train_for_epoch(progress.epoch)  # subword sampling: this epoch's segmentation
-            target_lengths = corpus.tgt.lengths() + 1
             batches = epoch_batches(corpus, max_tokens=tc.max_tokens, seed=tc.seed, epoch=progress.epoch)
             if len(batches) < per_update:
                 raise UserInputError(f"data.train: {len(batches)} batches per epoch; one update needs {per_update}")
             while progress.next_batch + per_update <= len(batches) and not stop_reason:
                 group = batches[progress.next_batch : progress.next_batch + per_update]
                 progress.next_batch += per_update
-                mine = group[dist.rank * tc.accum_steps : (dist.rank + 1) * tc.accum_steps]
-                update_tokens = int(sum(target_lengths[indices].sum() for indices in group))
-                started = time.perf_counter()
-                my_batches = [make_batch(corpus, indices) for indices in mine]
-                my_tokens = sum(batch.num_tokens for batch in my_batches)
-                progress.step += 1
-                spent = budget_spent(progress, tc, batches_per_epoch=len(batches) - len(batches) % per_update)
-                if progress.step == tc.warmup_steps:
-                    progress.decay_start = spent
-                lr = learning_rate(
-                    progress.step, tc, d_model=self.config.model.d_model, spent=spent, decay_start=progress.decay_start
-                )
-                self.budget_spent = spent
-                step = train_step(
-                    self.model,
-                    self.optimizer,
-                    self.scaler,
-                    my_batches,
-                    update_tokens=update_tokens,
-                    lr=lr,
-                    config=tc,
-                    forward=self.forward,
-                    ddp=self.ddp,
-                )
-                self.skipped.record(step.skipped)
-                if self.ema is not None:
-                    self.ema.update(progress.step)
-                self.last_step = step
-                # ranks read their own clocks; rank 0's is the run's, from the first update on, so that
-                # every rank computes the same budget share (learning rate) and stops at the same step
-                progress.train_seconds = dist.rank_zero_number(progress.train_seconds + time.perf_counter() - started)
-                # a skipped update's NaN must not poison the mean
-                window_loss += torch.where(step.skipped, 0.0, step.loss_sum)
-                window_loss_tokens += (~step.skipped) * my_tokens
-                window_tokens += my_tokens
+                step, tokens = self._update(corpus, group, batches_per_epoch=len(batches) - len(batches) % per_update)
+                window.add(step, tokens)
                 bar.update(1)
-                log_step = progress.step % tc.log_every == 0
-                if log_step:
-                    window = [*torch.stack([window_loss, window_loss_tokens]).tolist(), window_tokens]
-                    loss, loss_tokens, tokens = dist.sum(window, self.device)
-                    self._log_train(bar, loss / max(loss_tokens, 1), tokens / (time.perf_counter() - window_start))
-                    window_loss.zero_()
-                    window_loss_tokens.zero_()
-                    window_tokens, window_start = 0, time.perf_counter()
-                if progress.step % tc.valid_every == 0:
-                    self._validate()
-                if self.device.type == "cpu" and progress.step % HEAP_TRIM_EVERY == 0:
-                    release_free_heap()  # see host_memory.py: keeps RSS near what is in use
-                stop_reason = self._stop_reason()
-                if stop_reason and progress.step % tc.valid_every:
-                    self._validate()  # the final weights (at the floor of a budgeted schedule) may be the best
-                if progress.step % tc.save_every == 0 or stop_reason:
-                    self._save()
+                stop_reason = self._after_update(bar, window)
             if progress.next_batch + per_update > len(batches):
                 progress.epoch, progress.next_batch = progress.epoch + 1, 0
                 if tc.max_epochs and progress.epoch > tc.max_epochs and not stop_reason:
@@ -273,6 +178,74 @@ class Trainer:
         dist.barrier()
         log.info("stopped after %d steps: %s", progress.step, stop_reason)
         return TrainResult(dataclasses.replace(progress), self.run_dir.checkpoints / LAST, stop_reason)
+
+    def _announce(self, per_update: int) -> None:
+        tc = self.config.train
+        log.info("model: %.2fM parameters; training on %s", _parameter_count(self.model) / 1e6, self.device)
+        log.info("precision: %s (%s)", tc.precision, self.precision_reason)
+        log.info(
+            "effective batch: up to %d tokens x %d ranks x %d accumulation steps = %d tokens per update",
+            tc.max_tokens,
+            self.dist.world_size,
+            tc.accum_steps,
+            tc.max_tokens * per_update,
+        )
+
+    def _update(self, corpus, group: list, *, batches_per_epoch: int) -> tuple[StepResult, int]:
+        """One optimizer update on this rank's share of `group` (the batches of every rank): its
+        result and this rank's target tokens."""
+        tc, progress, dist = self.config.train, self.progress, self.dist
+        target_lengths = corpus.tgt.lengths() + 1
+        update_tokens = int(sum(target_lengths[indices].sum() for indices in group))
+        started = time.perf_counter()
+        mine = [
+            make_batch(corpus, indices)
+            for indices in group[dist.rank * tc.accum_steps : (dist.rank + 1) * tc.accum_steps]
+        ]
+        progress.step += 1
+        spent = budget_spent(progress, tc, batches_per_epoch=batches_per_epoch)
+        if progress.step == tc.warmup_steps:
+            progress.decay_start = spent
+        lr = learning_rate(
+            progress.step, tc, d_model=self.config.model.d_model, spent=spent, decay_start=progress.decay_start
+        )
+        self.budget_spent = spent
+        step = train_step(
+            self.model,
+            self.optimizer,
+            self.scaler,
+            mine,
+            update_tokens=update_tokens,
+            lr=lr,
+            config=tc,
+            forward=self.forward,
+            ddp=self.ddp,
+        )
+        self.skipped.record(step.skipped)
+        if self.ema is not None:
+            self.ema.update(progress.step)
+        self.last_step = step
+        # ranks read their own clocks; rank 0's is the run's, from the first update on, so that
+        # every rank computes the same budget share (learning rate) and stops at the same step
+        progress.train_seconds = dist.rank_zero_number(progress.train_seconds + time.perf_counter() - started)
+        return step, sum(batch.num_tokens for batch in mine)
+
+    def _after_update(self, bar: tqdm, window: LogWindow) -> str:
+        """Log, validate, trim the heap and save as the step asks; why the run stops now ("" to go on)."""
+        tc, progress = self.config.train, self.progress
+        if progress.step % tc.log_every == 0:
+            loss, tokens_per_second = window.flush(self.dist)
+            self._log_train(bar, loss, tokens_per_second)
+        if progress.step % tc.valid_every == 0:
+            self._validate()
+        if self.device.type == "cpu" and progress.step % HEAP_TRIM_EVERY == 0:
+            release_free_heap()  # see host_memory.py: keeps RSS near what is in use
+        stop_reason = self._stop_reason()
+        if stop_reason and progress.step % tc.valid_every:
+            self._validate()  # the final weights (at the floor of a budgeted schedule) may be the best
+        if progress.step % tc.save_every == 0 or stop_reason:
+            self._save()
+        return stop_reason
 
     def _account_skipped_updates(self) -> None:
         """Bring the device-side skip counters into the progress; stop if training has diverged."""
@@ -337,38 +310,8 @@ class Trainer:
                 progress.best_bleu, progress.stale_validations = chosen.scores.bleu, 0
             else:
                 progress.stale_validations += 1
-            log.info(
-                "step %d: valid loss %.3f, ppl %.2f, BLEU %.2f, chrF %.2f",
-                progress.step,
-                result.loss,
-                result.perplexity,
-                result.scores.bleu,
-                result.scores.chrf,
-            )
-            if averaged is not None:
-                log.info(
-                    "  weight average (ema): valid loss %.3f, BLEU %.2f, chrF %.2f",
-                    averaged.loss,
-                    averaged.scores.bleu,
-                    averaged.scores.chrf,
-                )
-            samples = zip(self.data.valid_text.src, self.data.valid_text.tgt, chosen.hypotheses)
-            for src, ref, hyp in list(samples)[:2]:
-                log.info("  src: %s\n  ref: %s\n  hyp: %s", src, ref, hyp)
-            extra = (
-                {}
-                if averaged is None
-                else {"ema_loss": averaged.loss, "ema_bleu": averaged.scores.bleu, "ema_chrf": averaged.scores.chrf}
-            )
-            self.metrics.write(
-                "valid",
-                step=progress.step,
-                loss=result.loss,
-                ppl=result.perplexity,
-                bleu=result.scores.bleu,
-                chrf=result.scores.chrf,
-                **extra,
-            )
+            samples = list(zip(self.data.valid_text.src, self.data.valid_text.tgt, chosen.hypotheses))[:2]
+            report_validation(self.metrics, progress.step, result, averaged, samples)
             if improved:
                 # best.pt is for translation, not resuming: rank 0's own RNG state is enough (no collective)
                 best = self._checkpoint([torch.get_rng_state()])
@@ -380,33 +323,15 @@ class Trainer:
         )
 
     def _average_last_saves(self) -> None:
-        """Average the last train.average_last numbered checkpoints into averaged.pt, validate it, and
-        make it best.pt where it beats the best so far (Vaswani et al. averaged the last 5; Popel &
-        Bojar 2018 found it pays most after a decay). Rank 0 alone: no collective here."""
-        saves = numbered_checkpoints(self.run_dir.checkpoints)[-self.config.train.average_last :]
-        if len(saves) < 2:
-            log.info("average_last: %d checkpoint(s) saved; nothing to average", len(saves))
-            return
-        averaged_path = self.run_dir.checkpoints / AVERAGED
-        average_checkpoints(saves, averaged_path)
-        averaged = Checkpoint.load(averaged_path)
-        self.model.load_state_dict(averaged.model)
-        result = self.evaluate_valid()
-        names, scores = ", ".join(path.name for path in saves), result.scores
-        log.info(
-            "average of the last %d saves (%s): valid loss %.3f, BLEU %.2f (best so far %.2f)",
-            len(saves),
-            names,
-            result.loss,
-            scores.bleu,
-            self.progress.best_bleu,
+        """Rank 0 alone (no collective here): validation.average_last_saves."""
+        average_last_saves(
+            self.run_dir.checkpoints,
+            self.config.train.average_last,
+            self.model,
+            self.evaluate_valid,
+            self.progress,
+            self.metrics,
         )
-        self.metrics.write("average", step=self.progress.step, loss=result.loss, bleu=scores.bleu, chrf=scores.chrf)
-        if scores.bleu > self.progress.best_bleu:
-            self.progress.best_bleu = scores.bleu
-            dataclasses.replace(averaged, progress=dataclasses.replace(self.progress), weights="average").save(
-                self.run_dir.checkpoints / BEST
-            )
 
     def _stop_reason(self) -> str:
         """Why the run stops now ("" to go on): the same on every rank, whose clocks are rank 0's."""

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from seq2seq.checkpoint import AVERAGED, BEST, Checkpoint, Progress, average_checkpoints, numbered_checkpoints
 from seq2seq.config import TrainConfig
 from seq2seq.data.batching import epoch_batches, make_batch
 from seq2seq.data.prepare import TrainingData
@@ -18,6 +22,9 @@ from seq2seq.evaluation.evaluate import translate_and_score
 from seq2seq.evaluation.scoring import Scores
 from seq2seq.inference.translator import Translator
 from seq2seq.training.loss import output_layer_loss
+from seq2seq.training.run_log import MetricsLog
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -59,3 +66,77 @@ def validate(
     translator = Translator.from_model(model, tokenizer, searched)
     evaluation = translate_and_score(translator, data.valid_text.src[:count], data.valid_text.tgt[:count])
     return ValidationResult(nll / max(tokens, 1), evaluation.scores, evaluation.hypotheses)
+
+
+def report_validation(
+    metrics: MetricsLog,
+    step: int,
+    result: ValidationResult,
+    averaged: ValidationResult | None,
+    samples: list[tuple[str, str, str]],
+) -> None:
+    """A validation's log lines (its weights', the weight average's where one is kept, and a few
+    sources, references and hypotheses) and its metrics record."""
+    log.info(
+        "step %d: valid loss %.3f, ppl %.2f, BLEU %.2f, chrF %.2f",
+        step,
+        result.loss,
+        result.perplexity,
+        result.scores.bleu,
+        result.scores.chrf,
+    )
+    extra = {}
+    if averaged is not None:
+        log.info(
+            "  weight average (ema): valid loss %.3f, BLEU %.2f, chrF %.2f",
+            averaged.loss,
+            averaged.scores.bleu,
+            averaged.scores.chrf,
+        )
+        extra = {"ema_loss": averaged.loss, "ema_bleu": averaged.scores.bleu, "ema_chrf": averaged.scores.chrf}
+    for src, ref, hyp in samples:
+        log.info("  src: %s\n  ref: %s\n  hyp: %s", src, ref, hyp)
+    metrics.write(
+        "valid",
+        step=step,
+        loss=result.loss,
+        ppl=result.perplexity,
+        bleu=result.scores.bleu,
+        chrf=result.scores.chrf,
+        **extra,
+    )
+
+
+def average_last_saves(
+    folder: Path,
+    count: int,
+    model: torch.nn.Module,
+    evaluate: Callable[[], ValidationResult],
+    progress: Progress,
+    metrics: MetricsLog,
+) -> None:
+    """Average the last `count` numbered checkpoints in `folder` into averaged.pt, validate it (the
+    model takes its weights), and make it best.pt where it beats `progress.best_bleu` (Vaswani et al.
+    averaged the last 5; Popel & Bojar 2018 found it pays most after a decay)."""
+    saves = numbered_checkpoints(folder)[-count:]
+    if len(saves) < 2:
+        log.info("average_last: %d checkpoint(s) saved; nothing to average", len(saves))
+        return
+    average_checkpoints(saves, folder / AVERAGED)
+    averaged = Checkpoint.load(folder / AVERAGED)
+    model.load_state_dict(averaged.model)
+    result = evaluate()
+    scores = result.scores
+    log.info(
+        "average of the last %d saves (%s): valid loss %.3f, BLEU %.2f (best so far %.2f)",
+        len(saves),
+        ", ".join(path.name for path in saves),
+        result.loss,
+        scores.bleu,
+        progress.best_bleu,
+    )
+    metrics.write("average", step=progress.step, loss=result.loss, bleu=scores.bleu, chrf=scores.chrf)
+    if scores.bleu > progress.best_bleu:
+        progress.best_bleu = scores.bleu
+        best = dataclasses.replace(averaged, progress=dataclasses.replace(progress), weights="average")
+        best.save(folder / BEST)
