@@ -19,7 +19,6 @@ from seq2seq.files import save_png  # noqa: E402
 from seq2seq.inference.search import search  # noqa: E402
 
 ATTENTION_PLOT_PIECES = 100  # pieces of each side an attention plot shows at most
-ATTENTION_PLOT_LINES = 5  # `translate --attention-plot` draws the first lines only
 
 
 @torch.no_grad()

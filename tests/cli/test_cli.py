@@ -96,19 +96,19 @@ def test_validation_is_logged_to_stderr_and_train_log_and_quiet_silences_it(trai
 
 
 def test_a_file_is_translated_chunk_by_chunk_in_order(trained_run, tmp_path, monkeypatch):
-    import seq2seq.inference.translator as translator_module
+    from seq2seq.cli import file_translation
 
     _, _, run_dir, data = trained_run
     checkpoint = run_dir / "checkpoints" / "last.pt"
     whole = invoke("translate", "-c", checkpoint, "-i", data / "test.en", "--beam", "1").stdout
-    monkeypatch.setattr(translator_module, "FILE_CHUNK_LINES", 7)  # 30 lines: 5 chunks, the last one short
-    calls, real = [], translator_module.Translator.translate_with
+    monkeypatch.setattr(file_translation, "FILE_CHUNK_LINES", 7)  # 30 lines: 5 chunks, the last one short
+    calls, real = [], file_translation.Translator.translate_with
 
     def counting(self, lines, *args, **kwargs):
         calls.append(len(lines))
         return real(self, lines, *args, **kwargs)
 
-    monkeypatch.setattr(translator_module.Translator, "translate_with", counting)
+    monkeypatch.setattr(file_translation.Translator, "translate_with", counting)
     chunked = invoke("translate", "-c", checkpoint, "-i", data / "test.en", "--beam", "1").stdout
     assert calls == [7, 7, 7, 7, 2] and chunked == whole and len(whole.splitlines()) == 30
 

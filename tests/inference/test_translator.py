@@ -43,15 +43,15 @@ def test_a_file_samples_alike_whatever_its_chunking(trained_checkpoint, tmp_path
     draw the same samples."""
     from typer.testing import CliRunner
 
+    from seq2seq.cli import file_translation as file_translation
     from seq2seq.cli.main import app
-    from seq2seq.inference import translator as translator_module
 
     path, data = trained_checkpoint
     source = tmp_path / "in.en"
     source.write_text("\n".join((data / "test.en").read_text().splitlines()[:8]) + "\n")
     command = ["translate", "-c", str(path), "-i", str(source), "--nbest", "3", "--set", "decode.sample=true"]
     whole = CliRunner().invoke(app, command, catch_exceptions=False)
-    monkeypatch.setattr(translator_module, "FILE_CHUNK_LINES", 3)
+    monkeypatch.setattr(file_translation, "FILE_CHUNK_LINES", 3)
     chunked = CliRunner().invoke(app, command, catch_exceptions=False)
     assert whole.exit_code == chunked.exit_code == 0
     assert [line.split(" ||| ")[:2] for line in chunked.stdout.splitlines()] == [

@@ -1,0 +1,258 @@
+"""What `seq2seq translate` and `seq2seq score-pairs` do with files: read the input (and its
+guidance files) a chunk at a time, check the whole of it before any work where a line could be
+refused, translate or score each chunk with a Translator, and write the output atomically.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import itertools
+import sys
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+from tqdm import tqdm
+
+from seq2seq.data.sources import chunked, decode_lines, read_lines
+from seq2seq.decoding import DecodeConfig
+from seq2seq.errors import UserInputError
+from seq2seq.files import atomic_write, check_writable
+from seq2seq.inference.admission import Names
+from seq2seq.inference.engine import Translation
+from seq2seq.inference.glossary import Glossary, constraint_fields, merged_constraints
+from seq2seq.inference.translator import Translator
+from seq2seq.progress import progress_bar
+
+# A file is read, translated and written this many lines at a time, so memory stays flat however
+# long it is; within a chunk, lines are sorted by length into batches.
+FILE_CHUNK_LINES = 10_000
+ATTENTION_PLOT_LINES = 5  # the first lines of the input get heatmaps with --attention-plot
+
+
+@dataclass(frozen=True)
+class LineGuides:
+    """`seq2seq translate`'s guidance files: target prefixes and constraints (one line per input line)
+    and a glossary (glossary.py has the formats)."""
+
+    prefixes: Path | None = None
+    constraints: Path | None = None
+    glossary: Path | None = None
+
+    def check(self) -> Glossary | None:
+        """Fail on a missing file or a bad glossary line before anything is loaded; the glossary."""
+        for option, path in (("--prefix", self.prefixes), ("--constraints", self.constraints)):
+            if path is not None and not path.is_file():
+                problem = "is a directory" if path.is_dir() else "file not found"
+                raise UserInputError(f"{option} {path}: {problem}; expected a text file with one line per input line")
+        return Glossary.load(self.glossary) if self.glossary is not None else None
+
+    def check_spelling(self, glossary: Glossary, translator: Translator) -> None:
+        """A glossary term the target vocabulary cannot spell: one line naming its line in the glossary."""
+        for (_, term), number in zip(glossary.entries, glossary.line_numbers):
+            if problem := translator.unspellable(term):
+                raise UserInputError(f"{self.glossary}:{number}: {problem}")
+
+    def names(self, source: str) -> Names:
+        """How errors name an input line and its guidance: by file and line."""
+        source = "<stdin>" if source == "-" else source
+        return Names(
+            line=f"{source}:{{number}}",
+            prefix=f"{self.prefixes}:{{number}}",
+            constraint=f"{self.constraints}:{{number}}",
+        )
+
+    def aligned(self, lines: Iterable[str]) -> Iterator[tuple[str, str, list[str]]]:
+        """(line, prefix, constraints) for each input line; a guidance file of another length is one line."""
+        sides = {"input": iter(lines)}
+        if self.prefixes is not None:
+            sides[str(self.prefixes)] = read_lines(self.prefixes)
+        if self.constraints is not None:
+            sides[str(self.constraints)] = map(constraint_fields, read_lines(self.constraints, keep_tabs=True))
+        for number in itertools.count(1):
+            row = {name: next(side, None) for name, side in sides.items()}
+            present = [name for name, value in row.items() if value is not None]
+            if not present:
+                return
+            if len(present) != len(row):
+                short = [name for name in row if name not in present]
+                raise UserInputError(
+                    f"{', '.join(short)}: ends before line {number} of {', '.join(present)}; "
+                    "expected one guidance line per input line"
+                )
+            yield row["input"], row.get(str(self.prefixes), ""), row.get(str(self.constraints), [])
+
+
+def translate_file(
+    model: Path | list[Path],
+    *,
+    source: str,
+    output: str,
+    decode_overrides: list[str],
+    stream: bool,
+    device: str | None = None,
+    attention_plot: Path | None = None,
+    guides: LineGuides = LineGuides(),
+) -> list[Path]:
+    """`seq2seq translate`: `model` is a checkpoint, an exported directory or a list of checkpoints (an
+    ensemble); `source` and `output` are paths or "-" (stdin, stdout). With n-best > 1 each line
+    becomes `index ||| text ||| score` lines. Returns the attention plots written, if asked for."""
+    if source != "-" and not Path(source).is_file():
+        problem = "is a directory" if Path(source).is_dir() else "file not found"
+        raise UserInputError(f"{source}: {problem}; expected a text file with one sentence per line (or - for stdin)")
+    if output != "-":
+        check_writable(output)
+    if attention_plot is not None and attention_plot.exists() and not attention_plot.is_dir():
+        raise UserInputError(f"--attention-plot {attention_plot}: is a file; expected a folder for the PNG files")
+    glossary = guides.check()
+    translator = Translator.load(model, device=device)
+    decode = translator.settings(decode_overrides)
+    if attention_plot is not None and translator.bundle is None:
+        raise UserInputError(f"--attention-plot: {model} is not one checkpoint; attention maps need one")  # before work
+    guided = guides != LineGuides()
+    if guides.constraints is not None or glossary is not None:
+        translator.check_supported(decode, constrained=True)
+    if glossary is not None:
+        guides.check_spelling(glossary, translator)
+    names = guides.names(source)
+    if source != "-" and (guided or translator.max_positions is not None):  # a line it would refuse: before any work
+        _check_whole_input(translator, decode, source, guides, glossary, names)
+    lines_in = decode_lines(sys.stdin.buffer, "<stdin>") if source == "-" else read_lines(source)
+    rows = guides.aligned(lines_in)
+    chunks = ([row] for row in rows) if stream else chunked(rows, FILE_CHUNK_LINES)
+    first_chunk = next(chunks, [])
+    bar = progress_bar(desc="translate", unit="sent", enabled=not (source == "-" or stream))
+    results = (
+        result
+        for chunk, first in _numbered(itertools.chain([first_chunk], chunks))
+        for result in _translated(
+            translator, chunk, decode, bar, glossary, guided=guided, names=dataclasses.replace(names, first=first)
+        )
+    )
+    with _output(output) as sink:
+        _write(sink, results, nbest=decode.nbest > 1, flush=stream)
+    bar.close()
+    if attention_plot is None or not first_chunk:
+        return []
+    return translator.plot_attention(
+        [line for line, _, _ in first_chunk[:ATTENTION_PLOT_LINES]], attention_plot, decode
+    )
+
+
+def score_file(
+    model: Path,
+    *,
+    src: Path,
+    tgt: Path,
+    output: str,
+    decode_overrides: list[str],
+    per_token: bool,
+    device: str | None = None,
+) -> None:
+    """`seq2seq score-pairs`: one line per pair, `score<TAB>log-probability<TAB>pieces` (with
+    per_token, a fourth column: each piece's log-probability, EOS last), in input order; the files are
+    counted before the model is loaded and read a chunk at a time."""
+    counts = [sum(1 for _ in read_lines(path)) for path in (src, tgt)]
+    if counts[0] != counts[1]:
+        raise UserInputError(f"{tgt}: has {counts[1]} lines but {src} has {counts[0]}; expected one target per source")
+    if output != "-":
+        check_writable(output)
+    translator = Translator.load(model, device=device)
+    decode = translator.settings(decode_overrides)
+    names = Names(line=f"{src} and {tgt}, line {{number}}")
+    if translator.max_positions is not None:  # a pair it would refuse: before any work
+        for chunk, first in _numbered(chunked(zip(read_lines(src), read_lines(tgt)), FILE_CHUNK_LINES)):
+            translator.plan_scoring(
+                [s for s, _ in chunk], [t for _, t in chunk], names=dataclasses.replace(names, first=first)
+            )
+    pairs = chunked(zip(read_lines(src), read_lines(tgt)), FILE_CHUNK_LINES)
+    with (
+        _output(output) as sink,
+        progress_bar(total=counts[0], desc="score", unit="pair", enabled=output != "-") as bar,
+    ):
+        for chunk in pairs:
+            for pair in translator.score_with([s for s, _ in chunk], [t for _, t in chunk], decode):
+                extra = "\t" + " ".join(f"{value:.4f}" for value in pair.log_probs) if per_token else ""
+                sink.write(f"{pair.score:.4f}\t{pair.log_prob:.4f}\t{len(pair.log_probs)}{extra}\n")
+            bar.update(len(chunk))
+
+
+@contextlib.contextmanager
+def _output(output: str) -> Iterator[TextIO]:
+    """stdout, or a file that appears under its name only once every line is written."""
+    if output == "-":
+        yield sys.stdout
+        return
+    with atomic_write(output) as handle:
+        text = io.TextIOWrapper(handle, encoding="utf-8", write_through=True)
+        yield text
+        text.detach()  # atomic_write closes the file
+
+
+def _check_whole_input(
+    translator: Translator,
+    decode: DecodeConfig,
+    source: str,
+    guides: LineGuides,
+    glossary: Glossary | None,
+    names: Names,
+) -> None:
+    """Plan every chunk of the input file, so that a line the model would refuse (past an export's
+    positions, or with guidance its vocabulary cannot spell) is named before anything is translated."""
+    guided = guides != LineGuides()
+    for chunk, first in _numbered(chunked(guides.aligned(read_lines(source)), FILE_CHUNK_LINES)):
+        lines, prefixes, constraints = _guidance(chunk, glossary, guided=guided)
+        names_here = dataclasses.replace(names, first=first)
+        translator.plan(lines, decode, prefixes=prefixes, constraints=constraints, names=names_here)
+
+
+def _write(sink: TextIO, results: Iterable[Translation], *, nbest: bool, flush: bool) -> None:
+    """One line per translation, or with n-best `index ||| text ||| score` lines (an empty input line
+    keeps its row: the empty translation)."""
+    for index, result in enumerate(results):
+        if nbest:
+            sink.writelines(f"{index} ||| {text} ||| {value:.4f}\n" for text, value in result.nbest or [("", 0.0)])
+        else:
+            sink.write(result.text + "\n")
+        if flush:
+            sink.flush()
+
+
+def _numbered(chunks: Iterable[list]) -> Iterator[tuple[list, int]]:
+    """Each chunk with the index of its first line in the whole input."""
+    first = 0
+    for chunk in chunks:
+        yield chunk, first
+        first += len(chunk)
+
+
+def _guidance(
+    rows: list[tuple[str, str, list[str]]], glossary: Glossary | None, *, guided: bool
+) -> tuple[list[str], list[str] | None, list[list[str]] | None]:
+    """LineGuides.aligned rows as lines, prefixes and constraints (the glossary's terms merged in)."""
+    lines = [line for line, _, _ in rows]
+    prefixes = [prefix for _, prefix, _ in rows] if guided else None
+    constraints = merged_constraints(lines, [own for _, _, own in rows], glossary) if guided else None
+    return lines, prefixes, constraints
+
+
+def _translated(
+    translator: Translator,
+    rows: list[tuple[str, str, list[str]]],
+    decode: DecodeConfig,
+    bar: tqdm,
+    glossary: Glossary | None,
+    *,
+    guided: bool,
+    names: Names,
+) -> Iterator[Translation]:
+    lines, prefixes, constraints = _guidance(rows, glossary, guided=guided)
+    numbers = list(range(names.first, names.first + len(lines)))  # a sampled line draws by its line in the file
+    results = translator.translate_with(
+        lines, decode, prefixes=prefixes, constraints=constraints, line_numbers=numbers, names=names
+    )
+    bar.update(len(lines))
+    return iter(results)

@@ -1,0 +1,211 @@
+"""`seq2seq demo`, `export`, `serve`, `average` and `plot`: the whole path at once, and what ships
+or inspects a trained model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from seq2seq.cli.app import SetOption, app
+from seq2seq.cli.boundary import user_errors
+from seq2seq.errors import UserInputError
+
+
+@app.command()
+@user_errors
+def demo(
+    config: Annotated[
+        Optional[Path],  # noqa: UP045
+        typer.Option(
+            "--config",
+            help="The demo config [default: the one shipped in the package, = configs/demo.yaml].",
+            show_default=False,
+        ),
+    ] = None,
+    overrides: SetOption = None,
+    run_dir: Annotated[
+        Path, typer.Option("--run-dir", help="Where the run goes: new, empty, or an earlier demo run (replaced).")
+    ] = Path("runs/demo"),
+    quiet: Annotated[bool, typer.Option("--quiet", help="No progress bars.")] = False,
+) -> None:
+    """The whole path on the embedded synthetic task: data, tokenizer, training, translation, test BLEU.
+
+    Example: seq2seq demo --set train.max_steps=500
+    """
+    from seq2seq.cli.demo import run_demo
+
+    run_demo(config, overrides or [], run_dir, show_progress=not quiet, echo=typer.echo)
+
+
+@app.command()
+@user_errors
+def export(
+    checkpoint: Annotated[Path, typer.Argument(help="The checkpoint to export.", show_default=False)],
+    output: Annotated[Path, typer.Option("--output", "-o", help="The model directory to write (must not exist).")],
+    format: Annotated[str, typer.Option("--format", help="Only ctranslate2 for now.")] = "ctranslate2",
+    quantization: Annotated[
+        str, typer.Option("--quantization", help="float32, int8, int8_float32, int16, float16 or bfloat16.")
+    ] = "float32",
+    check_src: Annotated[
+        Optional[Path],  # noqa: UP045
+        typer.Option("--check-src", help="Parity-gate sources [default: the validation split].", show_default=False),
+    ] = None,
+    check_ref: Annotated[
+        Optional[Path],  # noqa: UP045
+        typer.Option("--check-ref", help="References of --check-src.", show_default=False),
+    ] = None,
+    check_lines: Annotated[int, typer.Option("--check-lines", min=1, help="Sentences the gate decodes.")] = 500,
+    max_bleu_drop: Annotated[
+        float, typer.Option("--max-bleu-drop", min=0.0, help="Quantized exports: the BLEU the gate lets go.")
+    ] = 1.0,
+    max_positions: Annotated[
+        Optional[int],  # noqa: UP045
+        typer.Option(
+            "--max-positions",
+            min=1,
+            show_default=False,
+            help="The longest source and output (pieces) the export places; longer lines are refused "
+            "[default: the longest training sentence's allowance, at least 1024].",
+        ),
+    ] = None,
+) -> None:
+    """Export a checkpoint as a CTranslate2 model, through a parity gate that decodes with both.
+
+    Nothing is written unless the exported model translates like the checkpoint (float32: greedy
+    outputs identical on >= 99% of sentences and beam BLEU within 0.2; quantized: BLEU drop at most
+    --max-bleu-drop); then it exits 1.
+
+    Examples:
+      seq2seq export runs/demo/checkpoints/best.pt -o models/demo-ct2
+      seq2seq export runs/bible/checkpoints/best.pt -o models/bible-int8 --quantization int8
+    """
+    from seq2seq.deploy.export import ExportFailed, export_checkpoint
+
+    if format != "ctranslate2":
+        raise UserInputError(f"--format {format}: expected ctranslate2 (the only format for now)")
+    try:
+        report = export_checkpoint(
+            checkpoint,
+            output,
+            quantization=quantization,
+            check_src=check_src,
+            check_ref=check_ref,
+            check_lines=check_lines,
+            max_bleu_drop=max_bleu_drop,
+            max_positions=max_positions,
+        )
+    except ExportFailed as failure:
+        for line in str(failure).splitlines():
+            typer.echo(f"error: {line}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(report.describe())
+    typer.echo(f"exported -> {output}")
+
+
+@app.command()
+@user_errors
+def serve(
+    model: Annotated[
+        list[Path],
+        typer.Argument(
+            help="A checkpoint (.pt) or an exported directory; several checkpoints: an ensemble.", show_default=False
+        ),
+    ],
+    host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", min=1, max=65535, help="Port to listen on.")] = 8000,
+    max_lines: Annotated[int, typer.Option("--max-lines", min=1, help="Lines per request.")] = 64,
+    max_chars: Annotated[int, typer.Option("--max-chars", min=1, help="Characters per line.")] = 2000,
+    max_tokens_per_line: Annotated[
+        int, typer.Option("--max-tokens-per-line", min=1, help="SentencePiece pieces per line, its end included.")
+    ] = 256,
+    max_work: Annotated[
+        int,
+        typer.Option(
+            "--max-work",
+            min=1,
+            help="A request's work: source pieces x beam (or samples) x length limit, over its lines.",
+        ),
+    ] = 2_000_000,
+    batch_wait_ms: Annotated[
+        float, typer.Option("--batch-wait-ms", min=0.0, help="How long to wait for requests to batch with.")
+    ] = 5.0,
+    max_queue: Annotated[
+        int, typer.Option("--max-queue", min=1, help="Requests open at once; more are answered 503.")
+    ] = 256,
+    timeout_s: Annotated[
+        float,
+        typer.Option(
+            "--timeout", min=0.1, help="Seconds a request may take, queued and translating (then 503; its work stops)."
+        ),
+    ] = 60.0,
+    api_key: Annotated[
+        Optional[str],  # noqa: UP045
+        typer.Option(
+            "--api-key",
+            envvar="SEQ2SEQ_API_KEY",
+            show_default=False,
+            help="Require 'Authorization: Bearer KEY' on every request (better set in SEQ2SEQ_API_KEY).",
+        ),
+    ] = None,
+) -> None:
+    """Serve a model over HTTP: POST /translate {"lines": [...]}, POST /score and GET /health.
+
+    Examples:
+      seq2seq serve models/bible-int8 --port 8000
+      seq2seq serve runs/bible/checkpoints/step_00009000.pt runs/bible/checkpoints/step_00010000.pt
+      curl -s localhost:8000/translate -H 'content-type: application/json' -d '{"lines": ["the cat sleeps"], "beam": 5}'
+      SEQ2SEQ_API_KEY=s3cret seq2seq serve models/bible-int8 --host 0.0.0.0
+    """
+    from seq2seq.deploy.requests import Limits
+    from seq2seq.deploy.serve import serve as serve_model
+
+    missing = [str(path) for path in model if not path.exists()]
+    if missing:
+        raise UserInputError(f"{', '.join(missing)}: no such checkpoint or exported model")
+    if api_key is not None and not api_key.strip():
+        raise UserInputError("--api-key: empty; expected a secret that clients send as 'Authorization: Bearer KEY'")
+    limits = Limits(
+        max_lines=max_lines,
+        max_chars=max_chars,
+        max_tokens_per_line=max_tokens_per_line,
+        max_work=max_work,
+        batch_wait=batch_wait_ms / 1000,
+        max_queue=max_queue,
+        request_timeout=timeout_s,
+    )
+    named = " + ".join(map(str, model))
+    typer.echo(
+        f"serving {named} on http://{host}:{port} (POST /translate, /score; GET /health); Ctrl-C stops", err=True
+    )
+    serve_model(model, host=host, port=port, limits=limits, api_key=api_key)
+
+
+@app.command()
+@user_errors
+def average(
+    checkpoints: Annotated[list[Path], typer.Argument(help="Checkpoints to average (e.g. the last 5).")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Where to write the averaged checkpoint.")],
+) -> None:
+    """Average the parameters of several checkpoints of one run (Vaswani et al. averaged the last 5).
+
+    Example: seq2seq average runs/demo/checkpoints/step_*.pt -o runs/demo/checkpoints/avg.pt
+    """
+    from seq2seq.checkpoint import average_checkpoints
+
+    average_checkpoints(checkpoints, output)
+    typer.echo(f"averaged {len(checkpoints)} checkpoints -> {output}")
+
+
+@app.command()
+@user_errors
+def plot(run_dir: Annotated[Path, typer.Argument(help="A run directory with metrics.jsonl.")]) -> None:
+    """Write PNG curves of training/validation loss, BLEU and learning rate into RUN_DIR/plots/.
+
+    Example: seq2seq plot runs/demo
+    """
+    from seq2seq.training.plots import plot_training_curves
+
+    for path in plot_training_curves(run_dir):
+        typer.echo(str(path))

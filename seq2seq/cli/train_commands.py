@@ -1,0 +1,101 @@
+"""`seq2seq tokenizer train` and `seq2seq train` (one process, or torchrun with DDP)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from seq2seq.cli.app import ConfigArg, RunDirOption, SetOption, app, tokenizer_app
+from seq2seq.cli.boundary import user_errors
+
+
+def _run_dir(config_path: Path, run_dir: Path | None) -> Path:
+    return run_dir if run_dir is not None else Path("runs") / config_path.stem
+
+
+@tokenizer_app.command("train")
+@user_errors
+def tokenizer_train(config: ConfigArg, overrides: SetOption = None, run_dir: RunDirOption = None) -> None:
+    """Train SentencePiece on the config's training data; saves RUN_DIR/tokenizer/.
+
+    Example: seq2seq tokenizer train configs/demo.yaml
+    """
+    from seq2seq.config import load_config
+    from seq2seq.training.run_dir import RunDir, train_run_tokenizer
+
+    run = RunDir(_run_dir(config, run_dir))
+    tokenizer = train_run_tokenizer(load_config(config, overrides or []), run)
+    typer.echo(
+        f"tokenizer: {tokenizer.src_vocab_size} source / {tokenizer.tgt_vocab_size} target pieces -> {run.tokenizer}"
+    )
+
+
+@app.command()
+@user_errors
+def train(
+    config: ConfigArg,
+    overrides: SetOption = None,
+    run_dir: RunDirOption = None,
+    resume: Annotated[
+        Optional[Path],  # noqa: UP045
+        typer.Option(
+            "--resume", help="Continue the run in this directory from its last checkpoint.", show_default=False
+        ),
+    ] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", help="No progress bar.")] = False,
+    nproc: Annotated[
+        int, typer.Option("--nproc", min=1, help="Processes (GPUs) on this machine: >1 launches torchrun with DDP.")
+    ] = 1,
+) -> None:
+    """Train a model (and its tokenizer, if the run has none yet).
+
+    Writes RUN_DIR/config.yaml (the resolved config), tokenizer/, checkpoints/ and metrics.jsonl.
+
+    Examples:
+      seq2seq train configs/demo.yaml --set train.max_steps=2000
+      seq2seq train configs/demo.yaml --resume runs/demo
+      seq2seq train configs/wmt14_en_de_base.yaml --nproc 8      (= torchrun --nproc_per_node 8 -m seq2seq train ...)
+    """
+    from seq2seq.config import load_config
+    from seq2seq.training.distributed import shutdown_distributed
+    from seq2seq.training.trainer import Trainer
+
+    cfg = load_config(config, overrides or [])  # validated once here, before any process is launched
+    directory = resume if resume is not None else _run_dir(config, run_dir)
+    if nproc > 1 and "WORLD_SIZE" not in os.environ:
+        raise typer.Exit(_launch_torchrun(nproc, config, overrides or [], directory, resume is not None, quiet))
+    try:
+        result = Trainer(cfg, directory, resume=resume is not None, show_progress=not quiet).run()
+    finally:
+        shutdown_distributed()
+    if int(os.environ.get("RANK", "0")) == 0:
+        typer.echo(
+            f"stopped after {result.progress.step} steps ({result.stop_reason}); checkpoint: {result.last_checkpoint}"
+        )
+
+
+def _launch_torchrun(nproc: int, config: Path, overrides: list[str], run_dir: Path, resume: bool, quiet: bool) -> int:
+    """Run this same training under torchrun on this machine; returns its exit code."""
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "seq2seq",
+        "train",
+        str(config),
+        "--resume" if resume else "--run-dir",
+        str(run_dir),
+    ]
+    for item in overrides:
+        command += ["--set", item]
+    if quiet:
+        command.append("--quiet")
+    return subprocess.run(command, check=False).returncode
