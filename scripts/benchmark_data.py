@@ -31,7 +31,7 @@ def write_corpus(directory: Path, pairs: int) -> None:
 
 def prepare_and_measure(config_path: str, queue) -> None:
     """Runs in its own process so that its peak RSS is the preparation's alone."""
-    from seq2seq.config import load_config
+    from seq2seq.config_files import load_config
     from seq2seq.data.batching import epoch_batches, make_batch
     from seq2seq.data.prepare import encode_training_split, stream_split
     from seq2seq.data.tokenizer import load_or_train_tokenizer

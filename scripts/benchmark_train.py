@@ -40,7 +40,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from seq2seq.config import Config, load_config
+from seq2seq.config import Config
+from seq2seq.config_files import load_config
 from seq2seq.data.batching import epoch_batches, make_batch, padding_fraction
 from seq2seq.data.encoded import EncodedCorpus
 from seq2seq.data.prepare import encode_training_split, stream_split

@@ -20,7 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-from seq2seq.config import Config, load_config
+from seq2seq.config import Config
+from seq2seq.config_files import load_config
 from seq2seq.data.prepare import read_split
 from seq2seq.evaluation.evaluate import translate_and_score
 from seq2seq.evaluation.scoring import Scores

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from seq2seq.config import Config, config_differences, config_from_dict, is_run_defining
+from seq2seq.config import Config, config_differences, is_run_defining
+from seq2seq.config_files import config_from_dict
 from seq2seq.data.tokenizer import Tokenizer
 from seq2seq.errors import UserInputError
 from seq2seq.files import atomic_write, check_writable

@@ -1,23 +1,15 @@
-"""Typed, validated configuration: one frozen dataclass per YAML section, loaded with yaml.safe_load.
-
-Every problem (unknown key, wrong type, bad choice, impossible combination, missing file) is
-collected and reported together, one line each, naming the file (or the --set flag) and the
-dotted key, so the user fixes everything in one edit.
+"""The configuration's schema: one frozen dataclass per YAML section, each with its defaults and
+the checks between its values (`problems`); the decode section is decoding.py's. Which keys define
+a run (a resumed run must keep them). Reading and validating a file is config_files.py's.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-
 from seq2seq.decoding import DecodeConfig
-from seq2seq.errors import UserInputError
-from seq2seq.schema import build_dataclass, collect_problems
 
 
 @dataclass(frozen=True)
@@ -294,120 +286,3 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_plain(item) for item in value]
     return value
-
-
-def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
-    """Read, override and validate a YAML config; local data files must exist."""
-    path = Path(path)
-    try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise UserInputError(f"{path}: config file not found") from None
-    except IsADirectoryError:
-        raise UserInputError(f"{path}: is a directory; expected a YAML config file") from None
-    except OSError as error:
-        raise UserInputError(f"{path}: cannot read the config ({error.strerror})") from None
-    except UnicodeDecodeError as error:
-        raise UserInputError(f"{path}: not UTF-8 text ({error.reason} at byte {error.start})") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f":{mark.line + 1}" if mark else ""
-        raise UserInputError(f"{path}{where}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
-    if not isinstance(raw, dict):
-        raise UserInputError(f"{path}: expected a mapping of sections (data, model, ...) at the top")
-    overridden = apply_overrides(raw, overrides)
-    config = _build_checked(raw, origin=str(path), overridden=overridden)
-    missing = [
-        f"{path}: data.{split}.{key}: {problem}: {file}"
-        for split in ("train", "valid", "test")
-        if (corpus := getattr(config.data, split)) is not None
-        for key, file in corpus.files().items()
-        if (problem := _data_path_problem(Path(file), folder_allowed=corpus.format == "hf"))
-    ]
-    if missing:
-        raise UserInputError("\n".join(missing))
-    return config
-
-
-def _data_path_problem(path: Path, *, folder_allowed: bool) -> str:
-    if not path.exists():
-        return "file not found"
-    if path.is_dir() and not folder_allowed:
-        return "is a directory; expected a text file"
-    return ""
-
-
-def config_from_dict(raw: dict[str, Any], origin: str) -> Config:
-    """Validate an already-parsed config (e.g. from a checkpoint); files are not checked."""
-    return _build_checked(raw, origin=origin, overridden=set())
-
-
-def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> set[str]:
-    """Apply `section.key=value` strings (values parsed as YAML) in place; return the keys set."""
-    keys = set()
-    for item in overrides:
-        key, sep, text = item.partition("=")
-        if not sep or not key or any(not part for part in key.split(".")):
-            raise UserInputError(f"--set {item}: expected KEY=VALUE with a dotted key, e.g. train.lr=0.001")
-        node = raw
-        *parents, leaf = key.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise UserInputError(f"--set {item}: '{part}' is not a section")
-        try:
-            node[leaf] = yaml.safe_load(text)
-        except yaml.YAMLError as error:
-            problem = getattr(error, "problem", None) or "not valid YAML"
-            raise UserInputError(f"--set {item}: the value is not valid YAML ({problem})") from None
-        keys.add(key)
-    return keys
-
-
-def decode_config_with(stored: DecodeConfig, overrides: list[str]) -> DecodeConfig:
-    """A checkpoint's decode section with `decode.KEY=VALUE` overrides applied and validated."""
-    for item in overrides:
-        if not item.startswith("decode."):
-            raise UserInputError(f"--set {item}: only decode.* keys can be changed at translation time")
-    raw = {"decode": dataclasses.asdict(stored)}
-    overridden = apply_overrides(raw, overrides)
-    errors: list[tuple[str, str]] = []
-    decode = build_dataclass(DecodeConfig, raw["decode"], "decode.", errors)
-    if not errors:
-        collect_problems(decode, "decode.", errors)
-    _raise_problems(errors, origin="command line", overridden=overridden)
-    return decode
-
-
-def decode_config_from(stored: DecodeConfig, values: dict[str, Any], *, origin: str) -> DecodeConfig:
-    """`stored` with typed values (the Python API's keyword options, a server request's JSON fields)
-    checked as a config file's decode section is. Unlike a --set string, a value is never parsed: a
-    number given as a string is refused."""
-    errors: list[tuple[str, str]] = []
-    hints = typing.get_type_hints(DecodeConfig)
-    for key, value in values.items():
-        if isinstance(value, str) and hints.get(key) in (int, float):
-            errors.append((f"decode.{key}", f"expected a number, got {value!r}"))
-    decode = None
-    if not errors:
-        decode = build_dataclass(DecodeConfig, {**dataclasses.asdict(stored), **values}, "decode.", errors)
-    if not errors:
-        collect_problems(decode, "decode.", errors)
-    _raise_problems(errors, origin=origin, overridden=set())
-    return decode
-
-
-def _build_checked(raw: dict[str, Any], *, origin: str, overridden: set[str]) -> Config:
-    errors: list[tuple[str, str]] = []
-    config = build_dataclass(Config, raw, "", errors)
-    if not errors:
-        collect_problems(config, "", errors)
-    _raise_problems(errors, origin=origin, overridden=overridden)
-    return config
-
-
-def _raise_problems(errors: list[tuple[str, str]], *, origin: str, overridden: set[str]) -> None:
-    """One line per problem, naming the --set flag that caused it or else the file."""
-    if errors:
-        lines = [f"{'--set ' + key if key in overridden else origin}: {key}: {msg}" for key, msg in errors]
-        raise UserInputError("\n".join(lines))

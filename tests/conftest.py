@@ -55,7 +55,7 @@ def tiny_config_dict(data_dir: Path, **train_overrides) -> dict:
 
 def make_trainer(tmp_path: Path, data: Path, name: str = "run", **train):
     """A Trainer of the tiny config on `data`, writing to tmp_path/name."""
-    from seq2seq.config import config_from_dict
+    from seq2seq.config_files import config_from_dict
     from seq2seq.training.trainer import Trainer
 
     raw = tiny_config_dict(data, **train)

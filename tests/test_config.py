@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from seq2seq.config import Config, DecodeConfig, config_from_dict, decode_config_with, load_config
+from seq2seq.config import Config, DecodeConfig
+from seq2seq.config_files import config_from_dict, decode_config_with, load_config
 from seq2seq.errors import UserInputError
 
 from .conftest import tiny_config_dict
@@ -167,7 +168,7 @@ def test_a_set_value_that_is_not_yaml_and_a_directory_as_config_are_one_line(tmp
 )  # fmt: skip
 def test_every_front_door_bounds_the_decode_numbers_alike(tmp_path, tiny_data, key, value, expected):
     """A config file, --set and the Python API's keyword options refuse the same values with the same line."""
-    from seq2seq.config import decode_config_from
+    from seq2seq.config_files import decode_config_from
 
     stored = DecodeConfig(max_len_a=1.0, max_len_b=10)
     raw = tiny_config_dict(tiny_data)
@@ -181,7 +182,7 @@ def test_every_front_door_bounds_the_decode_numbers_alike(tmp_path, tiny_data, k
 
 
 def test_the_python_api_takes_numbers_not_strings_that_parse_as_numbers():
-    from seq2seq.config import decode_config_from
+    from seq2seq.config_files import decode_config_from
 
     with pytest.raises(UserInputError, match="decode.beam: expected a number, got '0x10'"):
         decode_config_from(DecodeConfig(), {"beam": "0x10"}, origin="options")

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from seq2seq.config import ModelConfig, config_from_dict
+from seq2seq.config import ModelConfig
+from seq2seq.config_files import config_from_dict
 from seq2seq.data.batching import epoch_batches, make_batch
 from seq2seq.data.special_tokens import padding_mask
 from seq2seq.model.transformer import Seq2SeqTransformer

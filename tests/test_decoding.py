@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from seq2seq.config import decode_config_from, decode_config_with, load_config
+from seq2seq.config_files import decode_config_from, decode_config_with, load_config
 from seq2seq.decoding import DecodeConfig, declarations
 from seq2seq.errors import UserInputError
 

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from seq2seq.config import load_config
+from seq2seq.config_files import load_config
 from seq2seq.data.demo_data import write_demo_corpus
 from seq2seq.data.prepare import read_split
 from seq2seq.errors import UserInputError

@@ -25,7 +25,7 @@ def tokenizer_train(config: ConfigArg, overrides: SetOption = None, run_dir: Run
 
     Example: seq2seq tokenizer train configs/demo.yaml
     """
-    from seq2seq.config import load_config
+    from seq2seq.config_files import load_config
     from seq2seq.training.run_dir import RunDir, train_run_tokenizer
 
     run = RunDir(_run_dir(config, run_dir))
@@ -61,7 +61,7 @@ def train(
       seq2seq train configs/demo.yaml --resume runs/demo
       seq2seq train configs/wmt14_en_de_base.yaml --nproc 8      (= torchrun --nproc_per_node 8 -m seq2seq train ...)
     """
-    from seq2seq.config import load_config
+    from seq2seq.config_files import load_config
     from seq2seq.training.distributed import shutdown_distributed
     from seq2seq.training.trainer import Trainer
 

@@ -29,7 +29,8 @@ from pathlib import Path
 import ctranslate2
 import sentencepiece as spm
 
-from seq2seq.config import Config, config_from_dict
+from seq2seq.config import Config
+from seq2seq.config_files import config_from_dict
 from seq2seq.data.sources import normalize
 from seq2seq.decoding import DecodeConfig, guidance_limit
 from seq2seq.errors import UserInputError

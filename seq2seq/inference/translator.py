@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from seq2seq.config import decode_config_from, decode_config_with
+from seq2seq.config_files import decode_config_from, decode_config_with
 from seq2seq.decoding import DecodeConfig, refusals
 from seq2seq.errors import UserInputError
 from seq2seq.inference.admission import LinePlan, Names, plan_scoring, plan_translation, unspellable

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from seq2seq.config import config_from_dict
+from seq2seq.config_files import config_from_dict
 
 CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
 

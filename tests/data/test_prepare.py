@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import seq2seq.data.prepare as prepare
-from seq2seq.config import config_from_dict
+from seq2seq.config_files import config_from_dict
 from seq2seq.data.encoded import EncodedCorpus
 from seq2seq.data.tokenizer import load_or_train_tokenizer
 from seq2seq.errors import UserInputError

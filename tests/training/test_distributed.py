@@ -81,7 +81,7 @@ def _train_on_a_fake_clock(rank: int, port: int, raw: dict, run_dir: Path, secon
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))  # fmt: skip
     import seq2seq.training.trainer as trainer
-    from seq2seq.config import config_from_dict
+    from seq2seq.config_files import config_from_dict
     from seq2seq.training.distributed import shutdown_distributed
 
     now, rates, real_step = [0.0], [], trainer.train_step

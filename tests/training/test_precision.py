@@ -87,7 +87,7 @@ def test_a_resumed_run_keeps_the_precision_it_started_with(tmp_path, tiny_data, 
     pretend_cpu(monkeypatch, onednn_bf16=False, bf16=1.0)
     make_trainer(tmp_path, tiny_data, precision="auto", max_steps=2, save_every=2, valid_every=100).run()
     pretend_cpu(monkeypatch, onednn_bf16=True, bf16=900.0)  # now bf16 would win
-    from seq2seq.config import config_from_dict
+    from seq2seq.config_files import config_from_dict
     from seq2seq.training.trainer import Trainer
 
     from ..conftest import tiny_config_dict

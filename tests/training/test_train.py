@@ -16,7 +16,7 @@ import torch
 import yaml
 
 from seq2seq.checkpoint import Checkpoint
-from seq2seq.config import config_from_dict
+from seq2seq.config_files import config_from_dict
 from seq2seq.errors import UserInputError
 from seq2seq.training.trainer import Trainer
 
