@@ -3,6 +3,7 @@ or inspects a trained model."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -10,6 +11,7 @@ import typer
 
 from seq2seq.cli.app import SetOption, app
 from seq2seq.cli.boundary import user_errors
+from seq2seq.deploy.requests import Limits
 from seq2seq.errors import UserInputError
 
 
@@ -39,15 +41,24 @@ def demo(
     run_demo(config, overrides or [], run_dir, show_progress=not quiet, echo=typer.echo)
 
 
+QuantizationOption = Annotated[
+    str, typer.Option("--quantization", help="float32, int8, int8_float32, int16, float16 or bfloat16.")
+]
+MaxPositionsOption = Annotated[
+    Optional[int],  # noqa: UP045
+    typer.Option("--max-positions", min=1, show_default=False,
+                 help="The longest source and output (pieces) the export places; longer lines are refused "
+                 "[default: the longest training sentence's allowance, at least 1024]."),
+]  # fmt: skip
+
+
 @app.command()
 @user_errors
 def export(
     checkpoint: Annotated[Path, typer.Argument(help="The checkpoint to export.", show_default=False)],
     output: Annotated[Path, typer.Option("--output", "-o", help="The model directory to write (must not exist).")],
     format: Annotated[str, typer.Option("--format", help="Only ctranslate2 for now.")] = "ctranslate2",
-    quantization: Annotated[
-        str, typer.Option("--quantization", help="float32, int8, int8_float32, int16, float16 or bfloat16.")
-    ] = "float32",
+    quantization: QuantizationOption = "float32",
     check_src: Annotated[
         Optional[Path],  # noqa: UP045
         typer.Option("--check-src", help="Parity-gate sources [default: the validation split].", show_default=False),
@@ -60,16 +71,7 @@ def export(
     max_bleu_drop: Annotated[
         float, typer.Option("--max-bleu-drop", min=0.0, help="Quantized exports: the BLEU the gate lets go.")
     ] = 1.0,
-    max_positions: Annotated[
-        Optional[int],  # noqa: UP045
-        typer.Option(
-            "--max-positions",
-            min=1,
-            show_default=False,
-            help="The longest source and output (pieces) the export places; longer lines are refused "
-            "[default: the longest training sentence's allowance, at least 1024].",
-        ),
-    ] = None,
+    max_positions: MaxPositionsOption = None,
 ) -> None:
     """Export a checkpoint as a CTranslate2 model, through a parity gate that decodes with both.
 
@@ -86,16 +88,9 @@ def export(
     if format != "ctranslate2":
         raise UserInputError(f"--format {format}: expected ctranslate2 (the only format for now)")
     try:
-        report = export_checkpoint(
-            checkpoint,
-            output,
-            quantization=quantization,
-            check_src=check_src,
-            check_ref=check_ref,
-            check_lines=check_lines,
-            max_bleu_drop=max_bleu_drop,
-            max_positions=max_positions,
-        )
+        report = export_checkpoint(checkpoint, output, quantization=quantization, check_src=check_src,
+                                   check_ref=check_ref, check_lines=check_lines, max_bleu_drop=max_bleu_drop,
+                                   max_positions=max_positions)  # fmt: skip
     except ExportFailed as failure:
         for line in str(failure).splitlines():
             typer.echo(f"error: {line}", err=True)
@@ -104,52 +99,40 @@ def export(
     typer.echo(f"exported -> {output}")
 
 
+SERVED = Limits()  # the server's defaults: each option below takes its default from here
+
+
+def _limit(flag: str, help: str, kind: type = int, minimum: float = 1):
+    return Annotated[kind, typer.Option(flag, min=minimum, help=help)]
+
+
 @app.command()
 @user_errors
 def serve(
     model: Annotated[
         list[Path],
-        typer.Argument(
-            help="A checkpoint (.pt) or an exported directory; several checkpoints: an ensemble.", show_default=False
-        ),
+        typer.Argument(help="A checkpoint (.pt) or an exported directory; several checkpoints: an ensemble.",
+                       show_default=False),
     ],
     host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", min=1, max=65535, help="Port to listen on.")] = 8000,
-    max_lines: Annotated[int, typer.Option("--max-lines", min=1, help="Lines per request.")] = 64,
-    max_chars: Annotated[int, typer.Option("--max-chars", min=1, help="Characters per line.")] = 2000,
-    max_tokens_per_line: Annotated[
-        int, typer.Option("--max-tokens-per-line", min=1, help="SentencePiece pieces per line, its end included.")
-    ] = 256,
-    max_work: Annotated[
-        int,
-        typer.Option(
-            "--max-work",
-            min=1,
-            help="A request's work: source pieces x beam (or samples) x length limit, over its lines.",
-        ),
-    ] = 2_000_000,
-    batch_wait_ms: Annotated[
-        float, typer.Option("--batch-wait-ms", min=0.0, help="How long to wait for requests to batch with.")
-    ] = 5.0,
-    max_queue: Annotated[
-        int, typer.Option("--max-queue", min=1, help="Requests open at once; more are answered 503.")
-    ] = 256,
-    timeout_s: Annotated[
-        float,
-        typer.Option(
-            "--timeout", min=0.1, help="Seconds a request may take, queued and translating (then 503; its work stops)."
-        ),
-    ] = 60.0,
+    max_lines: _limit("--max-lines", "Lines per request.") = SERVED.max_lines,
+    max_chars: _limit("--max-chars", "Characters per line.") = SERVED.max_chars,
+    max_tokens_per_line: _limit("--max-tokens-per-line", "SentencePiece pieces per line, its end included."
+                                ) = SERVED.max_tokens_per_line,
+    max_work: _limit("--max-work", "A request's work: source pieces x beam (or samples) x length limit, over its "
+                     "lines.") = SERVED.max_work,
+    batch_wait_ms: _limit("--batch-wait-ms", "How long to wait for requests to batch with.", float, 0.0
+                          ) = SERVED.batch_wait * 1000,
+    max_queue: _limit("--max-queue", "Requests open at once; more are answered 503.") = SERVED.max_queue,
+    timeout_s: _limit("--timeout", "Seconds a request may take, queued and translating (then 503; its work stops).",
+                      float, 0.1) = SERVED.request_timeout,
     api_key: Annotated[
         Optional[str],  # noqa: UP045
-        typer.Option(
-            "--api-key",
-            envvar="SEQ2SEQ_API_KEY",
-            show_default=False,
-            help="Require 'Authorization: Bearer KEY' on every request (better set in SEQ2SEQ_API_KEY).",
-        ),
+        typer.Option("--api-key", envvar="SEQ2SEQ_API_KEY", show_default=False,
+                     help="Require 'Authorization: Bearer KEY' on every request (better set in SEQ2SEQ_API_KEY)."),
     ] = None,
-) -> None:
+) -> None:  # fmt: skip
     """Serve a model over HTTP: POST /translate {"lines": [...]}, POST /score and GET /health.
 
     Examples:
@@ -158,7 +141,6 @@ def serve(
       curl -s localhost:8000/translate -H 'content-type: application/json' -d '{"lines": ["the cat sleeps"], "beam": 5}'
       SEQ2SEQ_API_KEY=s3cret seq2seq serve models/bible-int8 --host 0.0.0.0
     """
-    from seq2seq.deploy.requests import Limits
     from seq2seq.deploy.serve import serve as serve_model
 
     missing = [str(path) for path in model if not path.exists()]
@@ -166,19 +148,11 @@ def serve(
         raise UserInputError(f"{', '.join(missing)}: no such checkpoint or exported model")
     if api_key is not None and not api_key.strip():
         raise UserInputError("--api-key: empty; expected a secret that clients send as 'Authorization: Bearer KEY'")
-    limits = Limits(
-        max_lines=max_lines,
-        max_chars=max_chars,
-        max_tokens_per_line=max_tokens_per_line,
-        max_work=max_work,
-        batch_wait=batch_wait_ms / 1000,
-        max_queue=max_queue,
-        request_timeout=timeout_s,
-    )
-    named = " + ".join(map(str, model))
-    typer.echo(
-        f"serving {named} on http://{host}:{port} (POST /translate, /score; GET /health); Ctrl-C stops", err=True
-    )
+    limits = dataclasses.replace(SERVED, max_lines=max_lines, max_chars=max_chars, max_work=max_work,
+                                 max_tokens_per_line=max_tokens_per_line, batch_wait=batch_wait_ms / 1000,
+                                 max_queue=max_queue, request_timeout=timeout_s)  # fmt: skip
+    typer.echo(f"serving {' + '.join(map(str, model))} on http://{host}:{port} (POST /translate, /score; GET "
+               "/health); Ctrl-C stops", err=True)  # fmt: skip
     serve_model(model, host=host, port=port, limits=limits, api_key=api_key)
 
 

@@ -56,7 +56,7 @@ from seq2seq.deploy.requests import (
     shortened,
 )
 from seq2seq.errors import UserInputError
-from seq2seq.inference.engine import DeadlinePassed, Translation
+from seq2seq.inference.engine import DeadlinePassed, PairScore, Translation
 from seq2seq.inference.translator import Translator
 from seq2seq.training.host_memory import release_free_heap
 
@@ -164,88 +164,96 @@ class BatchingWorker:
             start += len(job.lines)
 
 
-def create_app(
-    translator: Translator, *, model_name: str, limits: Limits = Limits(), api_key: str | None = None
-) -> FastAPI:
-    """The service; with `api_key`, every request must carry `Authorization: Bearer <api_key>` (a
-    request without it learns only that the server is up, from /health)."""
-    worker: BatchingWorker | None = None
+class Service:
+    """What the routes share: the translator, the limits, the key and the batching worker (started
+    with the app)."""
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
-        nonlocal worker
-        worker = BatchingWorker(translator, limits.batch_wait, limits.max_queue)
-        yield
-        worker.stop()
+    def __init__(self, translator: Translator, model_name: str, limits: Limits, api_key: str | None) -> None:
+        self.translator, self.model_name, self.limits, self.api_key = translator, model_name, limits, api_key
+        self.worker: BatchingWorker | None = None
 
-    app = FastAPI(title="seq2seq", lifespan=lifespan)
-
-    def authorized(request: Request) -> bool:
-        if api_key is None:
+    def authorized(self, request: Request) -> bool:
+        if self.api_key is None:
             return True
         given = request.headers.get("authorization", "")
-        return hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode())
+        return hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode())
 
-    @app.get("/health")
-    async def health(request: Request) -> dict:
-        if not authorized(request):
+    def health(self, request: Request) -> dict:
+        if not self.authorized(request):
             return {"status": "ok"}
+        worker = self.worker
         return {
             "status": "ok",
-            "engine": translator.engine,
-            "model": model_name,
+            "engine": self.translator.engine,
+            "model": self.model_name,
             "requests": worker.requests,
             "batches": worker.batches,
             "waiting": worker.waiting,
         }
 
-    async def run(request: Request, parse) -> tuple[Job, list] | JSONResponse:
+    async def run(self, request: Request, parse) -> tuple[Job, list] | JSONResponse:
         """Check, read and queue a request, and wait for its results (or the error response)."""
+        limits = self.limits
         try:
-            _check_headers(request, authorized(request))
-            job = parse(_json(await _read_body(request, limits.max_body_bytes)), translator, limits)
+            _check_headers(request, self.authorized(request))
+            job = parse(_json(await _read_body(request, limits.max_body_bytes)), self.translator, limits)
             job.deadline = time.monotonic() + limits.request_timeout
-            future = worker.submit(job)
+            future = self.worker.submit(job)
         except RequestError as error:
             return _error(error.status, str(error), retry=error.status == 503)
-        late = _error(
-            503, f"the request took over {limits.request_timeout:g} s; try fewer or shorter lines", retry=True
-        )
         try:
             return job, await asyncio.wait_for(asyncio.wrap_future(future), limits.request_timeout)
         except (asyncio.TimeoutError, DeadlinePassed):  # the worker skips it, or stops it within a step
-            return late
+            message = f"the request took over {limits.request_timeout:g} s; try fewer or shorter lines"
+            return _error(503, message, retry=True)
         except Exception:  # the worker logged the details; they never go to the client
-            work = {"translate": "translation", "score": "scoring"}[job.kind]
+            work = "translation" if job.kind == "translate" else "scoring"
             return _error(500, f"{work} failed; the server's log has the details")
+
+
+def create_app(
+    translator: Translator, *, model_name: str, limits: Limits = Limits(), api_key: str | None = None
+) -> FastAPI:
+    """The service; with `api_key`, every request must carry `Authorization: Bearer <api_key>` (a
+    request without it learns only that the server is up, from /health)."""
+    service = Service(translator, model_name, limits, api_key)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        service.worker = BatchingWorker(translator, limits.batch_wait, limits.max_queue)
+        yield
+        service.worker.stop()
+
+    app = FastAPI(title="seq2seq", lifespan=lifespan)
+
+    @app.get("/health")
+    async def health(request: Request) -> dict:
+        return service.health(request)
 
     @app.post("/translate", openapi_extra=_body_schema(request_schema(limits, "translate")))
     async def translate(request: Request) -> JSONResponse:
-        outcome = await run(request, parse_request)
-        if isinstance(outcome, JSONResponse):
-            return outcome
-        job, results = outcome
-        translations: list[Translation] = results
-        answer: dict = {"translations": [t.text for t in translations]}
-        if job.decode.nbest > 1:
-            answer["nbest"] = [[{"text": text, "score": score} for text, score in t.nbest] for t in translations]
-        return JSONResponse(answer)
+        outcome = await service.run(request, parse_request)
+        return outcome if isinstance(outcome, JSONResponse) else JSONResponse(_translations(*outcome))
 
     @app.post("/score", openapi_extra=_body_schema(request_schema(limits, "score")))
     async def score(request: Request) -> JSONResponse:
-        outcome = await run(request, parse_score_request)
-        if isinstance(outcome, JSONResponse):
-            return outcome
-        _, results = outcome
-        return JSONResponse(
-            {
-                "scores": [
-                    {"score": pair.score, "log_prob": pair.log_prob, "pieces": len(pair.pieces)} for pair in results
-                ]
-            }
-        )
+        outcome = await service.run(request, parse_score_request)
+        return outcome if isinstance(outcome, JSONResponse) else JSONResponse(_scores(outcome[1]))
 
     return app
+
+
+def _translations(job: Job, results: list[Translation]) -> dict:
+    answer: dict = {"translations": [t.text for t in results]}
+    if job.decode.nbest > 1:
+        answer["nbest"] = [[{"text": text, "score": score} for text, score in t.nbest] for t in results]
+    return answer
+
+
+def _scores(results: list[PairScore]) -> dict:
+    return {
+        "scores": [{"score": pair.score, "log_prob": pair.log_prob, "pieces": len(pair.pieces)} for pair in results]
+    }
 
 
 def _body_schema(schema: dict) -> dict:

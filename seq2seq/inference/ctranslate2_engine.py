@@ -167,19 +167,8 @@ def _translate(
     per worker, and the deadline is checked between waves (and, where CTranslate2 offers it, greedy
     and sampled decoding stop at the step that passes it)."""
     exponent = _ctranslate2_exponent(decode)
+    search = {**_search_options(decode, deadline), "length_penalty": exponent}
     draws = decode.nbest if decode.sample else 1  # a sampled line goes in nbest times, one draw each
-    if decode.sample:
-        search = {
-            "beam_size": 1,
-            "num_hypotheses": 1,
-            "sampling_topk": decode.top_k,
-            "sampling_topp": decode.top_p,
-            "sampling_temperature": decode.temperature,
-        }
-    else:
-        search = {"beam_size": decode.beam, "patience": decode.patience, "num_hypotheses": decode.beam}
-    if deadline is not None and search["beam_size"] == 1:
-        search["callback"] = lambda step: time.monotonic() > deadline
     by_limit: dict[int, list[int]] = defaultdict(list)
     for position, limit in enumerate(limits):
         by_limit[limit].extend([position] * draws)
@@ -199,14 +188,7 @@ def _translate(
                 **prefix,
                 asynchronous=True,
                 **search,
-                return_scores=True,
-                max_input_length=0,  # admission.py refuses what the positions cannot hold: never cut silently
                 max_decoding_length=limit,
-                min_decoding_length=decode.min_len,
-                length_penalty=exponent,
-                no_repeat_ngram_size=decode.no_repeat_ngram,
-                max_batch_size=decode.batch_tokens,
-                batch_type="tokens",
             )
             submitted.append((members, pending))
         for members, pending in submitted:
@@ -215,6 +197,31 @@ def _translate(
                 finished[position].extend(zip(output.hypotheses, output.scores))
     _check(deadline)  # a decoding stopped at the deadline returned part of its output
     return [_ranked(found, decode, limit, exponent) for found, limit in zip(finished, limits)]
+
+
+def _search_options(decode: DecodeConfig, deadline: float | None) -> dict:
+    """translate_batch's options for these settings (all but the length limit and the exponent)."""
+    if decode.sample:
+        search = {
+            "beam_size": 1,
+            "num_hypotheses": 1,
+            "sampling_topk": decode.top_k,
+            "sampling_topp": decode.top_p,
+            "sampling_temperature": decode.temperature,
+        }
+    else:
+        search = {"beam_size": decode.beam, "patience": decode.patience, "num_hypotheses": decode.beam}
+    if deadline is not None and search["beam_size"] == 1:
+        search["callback"] = lambda step: time.monotonic() > deadline
+    return {
+        **search,
+        "return_scores": True,
+        "min_decoding_length": decode.min_len,
+        "no_repeat_ngram_size": decode.no_repeat_ngram,
+        "max_batch_size": decode.batch_tokens,
+        "batch_type": "tokens",
+        "max_input_length": 0,  # admission.py refuses what the positions cannot hold: never cut silently
+    }
 
 
 def _spans(lengths: list[int], budget: int | None) -> list[tuple[int, int]]:
