@@ -1,0 +1,217 @@
+#!/usr/bin/env python3
+"""The benchmark ledger: one machine-stamped JSON result per benchmark run, and the pages rendered from them.
+
+    python benchmarks/ledger.py run benchmark_train.py --sides "reference fp32" "ours fp32" --steps 200
+    python benchmarks/ledger.py render
+
+`run` runs a benchmark of this folder as it is (its arguments after the script's name), shows its
+output as it comes, and writes benchmarks/results/<benchmark>/<date>-<machine kind>-<commit>.json:
+the machine (CPU model and ISA flags, or the GPU; cores; torch and Python), the date, the commit,
+the command, the output and every Markdown table the output printed. `render` writes
+benchmarks/README.md from the results (per benchmark, the latest result of each machine kind, the
+history below it) and the README's "Performance at a glance" table between its ledger markers.
+Figures belong here, not in prose: the README and docs quote the ledger.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+ROOT = HERE.parent
+GLANCE_START, GLANCE_END = "<!-- ledger: glance -->", "<!-- /ledger: glance -->"
+# What the README's glance table shows: per benchmark, the table column it quotes from the latest result
+# of each machine kind, and how many rows.
+GLANCE = {
+    "benchmark_train": ("target tokens/s", "training throughput, the Bible model (target tokens/s)"),
+    "benchmark_decode": ("sentences/s", "decoding the Bible test set (sentences/s)"),
+    "benchmark_serve": ("requests/s", "serving one sentence per request (requests/s)"),
+    "recipe_study": ("mean", "recipe study, test BLEU (mean over seeds)"),
+}
+KINDS = {"amx_bf16": "CPU with AMX", "avx512_bf16": "CPU with AVX-512-bf16", "avx2": "CPU with AVX2 only"}
+
+
+def machine() -> dict:
+    """What a figure was measured on: the GPU, or the CPU's model and the instruction sets that decide
+    its speed; the cores and the software."""
+    import torch
+
+    found = {"cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version()}
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name(0)
+        return {**found, "kind": f"GPU {name}", "gpu": name, "cuda": torch.version.cuda}
+    model, flags = platform.processor() or "unknown CPU", set()
+    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+        for line in cpuinfo:
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+    isa = [flag for flag in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if flag in flags]
+    kind = next((label for flag, label in KINDS.items() if flag in flags), "CPU without AVX2")
+    return {**found, "kind": kind, "cpu": model, "isa": isa}
+
+
+def describe_machine() -> str:
+    """One line for a benchmark's output: the machine kind and model."""
+    found = machine()
+    return found.get("gpu") or f"{found['cpu']} ({' '.join(found['isa']) or 'no AVX2'})"
+
+
+def tables(output: str) -> list[list[dict]]:
+    """Every Markdown table in `output`, as rows of {header: cell}."""
+    found, lines = [], output.splitlines()
+    for index, line in enumerate(lines):
+        if index + 1 < len(lines) and line.startswith("|") and re.fullmatch(r"\|(\s*:?-+:?\s*\|)+", lines[index + 1]):
+            header = _cells(line)
+            rows = []
+            for row in lines[index + 2 :]:
+                if not row.startswith("|"):
+                    break
+                rows.append(dict(zip(header, _cells(row))))
+            found.append(rows)
+    return found
+
+
+def _cells(line: str) -> list[str]:
+    return [cell.strip() for cell in line.strip().strip("|").split("|")]
+
+
+def run(script: str, arguments: list[str]) -> Path:
+    """Run benchmarks/<script> with `arguments`, echo its output, and record it in the ledger."""
+    command = [sys.executable, str(HERE / script), *arguments]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    output = []
+    for line in process.stdout:
+        print(line, end="", flush=True)
+        output.append(line)
+    if process.wait():
+        raise SystemExit(f"error: {script} exited with {process.returncode}; nothing recorded")
+    return record(Path(script).stem, "".join(output), command=" ".join(["python", f"benchmarks/{script}", *arguments]))
+
+
+def record(benchmark: str, output: str, *, command: str, extra: dict | None = None) -> Path:
+    """Write one result; its name says when, where and at which commit it was measured."""
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
+                           cwd=ROOT).stdout.strip()  # fmt: skip
+    found = machine()
+    result = {"benchmark": benchmark, "date": datetime.date.today().isoformat(),
+              "commit": commit.stdout.strip() + ("+changes" if dirty else ""), "command": command, "machine": found,
+              "tables": tables(output), "output": output, **(extra or {})}  # fmt: skip
+    slug = re.sub(r"[^a-z0-9]+", "-", found["kind"].lower()).strip("-")
+    path = RESULTS / benchmark / f"{result['date']}-{slug}-{result['commit'].split('+')[0] or 'nocommit'}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    print(f"recorded: {path.relative_to(ROOT)}", file=sys.stderr)
+    return path
+
+
+def results() -> dict[str, list[dict]]:
+    """Every result, by benchmark, newest first."""
+    found: dict[str, list[dict]] = {}
+    for path in sorted(RESULTS.glob("*/*.json")):
+        result = json.loads(path.read_text(encoding="utf-8"))
+        result["path"] = path.relative_to(HERE).as_posix()
+        found.setdefault(result["benchmark"], []).append(result)
+    return {name: sorted(runs, key=lambda r: (r["date"], r["path"]), reverse=True) for name, runs in sorted(found.items())}
+
+
+def latest_by_kind(runs: list[dict]) -> dict[str, dict]:
+    latest: dict[str, dict] = {}
+    for result in runs:  # newest first
+        latest.setdefault(result["machine"]["kind"], result)
+    return latest
+
+
+def render_page(ledger: dict[str, list[dict]]) -> str:
+    lines = ["# The benchmark ledger", "",
+             "Rendered by `python benchmarks/ledger.py render` from `benchmarks/results/`: per benchmark, the latest "
+             "result of each machine kind, then the history. Compare ratios measured side by side in one run, "
+             "never absolute figures across machines or days. Record a run with `python benchmarks/ledger.py run "
+             "SCRIPT ARGS...`.", ""]  # fmt: skip
+    for name, runs in ledger.items():
+        lines += [f"## {name}", ""]
+        for kind, result in latest_by_kind(runs).items():
+            lines += [f"### {kind}: {result['date']}, commit {result['commit']}", "",
+                      f"{_machine_line(result['machine'])}  ", f"`{result['command']}`", ""]  # fmt: skip
+            if result.get("note"):
+                lines += [result["note"], ""]
+            for table in result["tables"]:
+                lines += [*_markdown(table), ""]
+        lines += ["History:", ""]
+        lines += [f"- {r['date']}, {r['machine']['kind']}, commit {r['commit']}: [{Path(r['path']).name}]({r['path']})"
+                  for r in runs]  # fmt: skip
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _machine_line(found: dict) -> str:
+    where = found.get("gpu") or f"{found.get('cpu', '?')} ({' '.join(found.get('isa', [])) or 'no AVX2'})"
+    return f"{where}, {found.get('cores', '?')} cores, torch {found.get('torch', '?')}"
+
+
+def _markdown(table: list[dict]) -> list[str]:
+    if not table:
+        return []
+    header = list(table[0])
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *["| " + " | ".join(row.get(column, "") for column in header) + " |" for row in table]]  # fmt: skip
+
+
+def glance(ledger: dict[str, list[dict]]) -> str:
+    """The README's table: per benchmark and machine kind, its quoted column from the latest result."""
+    lines = ["| what | machine | figures (latest) | result |", "|---|---|---|---|"]
+    for name, (column, what) in GLANCE.items():
+        for kind, result in latest_by_kind(ledger.get(name, [])).items():
+            cells = [f"{_row_name(row)}: {row[column]}" for table in result["tables"] for row in table if column in row]
+            if cells:
+                link = f"[{result['date']}](benchmarks/README.md#{name.replace('_', '-')})"
+                lines.append(f"| {what} | {kind} | {'; '.join(cells[:4])} | {link} |")
+    return "\n".join(lines)
+
+
+def _row_name(row: dict) -> str:
+    return next(iter(row.values()))
+
+
+def render() -> None:
+    ledger = results()
+    (HERE / "README.md").write_text(render_page(ledger) + "\n", encoding="utf-8")
+    readme = ROOT / "README.md"
+    text = readme.read_text(encoding="utf-8")
+    if GLANCE_START in text and GLANCE_END in text:
+        before, rest = text.split(GLANCE_START, 1)
+        _, after = rest.split(GLANCE_END, 1)
+        readme.write_text(f"{before}{GLANCE_START}\n{glance(ledger)}\n{GLANCE_END}{after}", encoding="utf-8")
+    print(f"rendered benchmarks/README.md and the README's glance table from {sum(map(len, ledger.values()))} results")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    running = commands.add_parser("run", help="run a benchmark of this folder and record its result")
+    running.add_argument("script")
+    running.add_argument("arguments", nargs=argparse.REMAINDER)
+    commands.add_parser("render", help="write benchmarks/README.md and the README's glance table")
+    args = parser.parse_args()
+    if args.command == "run":
+        run(args.script, args.arguments)
+    else:
+        render()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
