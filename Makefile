@@ -31,21 +31,21 @@ test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow"
 
 lint: install
-	$(BIN)/ruff check seq2seq tests scripts
-	$(BIN)/ruff format --check seq2seq tests scripts
+	$(BIN)/ruff check seq2seq tests scripts benchmarks
+	$(BIN)/ruff format --check seq2seq tests scripts benchmarks
 
 format: install
-	$(BIN)/ruff check --fix seq2seq tests scripts
-	$(BIN)/ruff format seq2seq tests scripts
+	$(BIN)/ruff check --fix seq2seq tests scripts benchmarks
+	$(BIN)/ruff format seq2seq tests scripts benchmarks
 
 bench-decode: install
-	$(BIN)/python scripts/benchmark_decode.py
+	$(BIN)/python benchmarks/benchmark_decode.py
 
 bench-train: install
-	$(BIN)/python scripts/benchmark_train.py
+	$(BIN)/python benchmarks/benchmark_train.py
 
 bench-data: install
-	$(BIN)/python scripts/benchmark_data.py
+	$(BIN)/python benchmarks/benchmark_data.py
 
 clean:
 	rm -rf $(VENV) runs data/demo .pytest_cache .ruff_cache

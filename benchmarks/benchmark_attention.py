@@ -7,7 +7,7 @@ the plain (math) path runs two batched matrix products and a softmax over small 
 This measures which is faster at the shapes training meets, for the decoder's causal
 self-attention and for the padding-masked encoder/cross attention.
 
-    python scripts/benchmark_attention.py [--tokens 64000] [--lengths 24 40 64 128] [--dtype bf16]
+    python benchmarks/benchmark_attention.py [--tokens 64000] [--lengths 24 40 64 128] [--dtype bf16]
 """
 
 from __future__ import annotations

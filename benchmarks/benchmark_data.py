@@ -4,7 +4,7 @@
 Prints tokenizer training time, encoding time and throughput (pairs/s) on a cache miss, the time
 of a cache hit, the peak RSS of each of the two steps, and batches/s of the training loader.
 
-    python scripts/benchmark_data.py [--pairs 1000000]
+    python benchmarks/benchmark_data.py [--pairs 1000000]
 """
 
 from __future__ import annotations

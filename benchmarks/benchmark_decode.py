@@ -11,9 +11,9 @@ With --references, the shipped sides follow: the checkpoint exported to CTransla
 int8 (through `seq2seq export` and its parity gate) against our PyTorch decoder, each side in its
 own process (so its peak RSS is its own), greedy and beam 5, with BLEU against the references.
 
-    python scripts/benchmark_decode.py [--checkpoint runs/demo/checkpoints/best.pt] [--input data/demo/test.en]
-    python scripts/benchmark_decode.py --checkpoint CKPT --input test.en --references test.es --sentences 300
-    python scripts/benchmark_decode.py --device cuda ... --references test.es --exported DIR_FLOAT16 DIR_INT8
+    python benchmarks/benchmark_decode.py [--checkpoint runs/demo/checkpoints/best.pt] [--input data/demo/test.en]
+    python benchmarks/benchmark_decode.py --checkpoint CKPT --input test.en --references test.es --sentences 300
+    python benchmarks/benchmark_decode.py --device cuda ... --references test.es --exported DIR_FLOAT16 DIR_INT8
 """
 
 from __future__ import annotations

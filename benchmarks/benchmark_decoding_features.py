@@ -9,9 +9,9 @@
   * ensemble (with --ensemble): BLEU of the first checkpoint alone and of all given checkpoints as
     an ensemble.
 
-    python scripts/benchmark_decoding_features.py --checkpoint runs/demo/checkpoints/best.pt \\
+    python benchmarks/benchmark_decoding_features.py --checkpoint runs/demo/checkpoints/best.pt \\
         --src data/demo/test.en --ref data/demo/test.xx --lines 500
-    python scripts/benchmark_decoding_features.py --checkpoint runs/bible/checkpoints/best.pt \\
+    python benchmarks/benchmark_decoding_features.py --checkpoint runs/bible/checkpoints/best.pt \\
         --src data/bible/test.en --ref data/bible/test.es --ensemble runs/bible/checkpoints/step_*.pt --only ensemble
 """
 
@@ -24,11 +24,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from ledger import describe_machine
 
 from seq2seq.data.sources import read_lines
 from seq2seq.evaluation.scoring import ScoreOptions, score
 from seq2seq.inference.translator import Translator
-from seq2seq.training.precision import describe_machine
 
 BLEU = ScoreOptions(metrics=("bleu",))
 
@@ -96,7 +96,7 @@ def main() -> int:
     args = parser.parse_args()
     src = list(read_lines(args.src))[: args.lines]
     ref = list(read_lines(args.ref))[: args.lines]
-    print(f"{describe_machine(torch.device(args.device))}, {torch.get_num_threads()} threads; {args.checkpoint}, "
+    print(f"{describe_machine()}, {torch.get_num_threads()} threads; {args.checkpoint}, "
           f"{len(src)} lines of {args.src}")  # fmt: skip
     translator = Translator.load(args.checkpoint, device=args.device)
     if "speed" in args.only:

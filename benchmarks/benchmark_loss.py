@@ -7,7 +7,7 @@ slow spell of a shared machine falls on all sides alike), in fp32 and, where thi
 bf16 natively (training/precision.py), under bf16 autocast, as a user's loop would run it. The
 largest single allocation of each side is printed too: PyTorch's holds the whole logits.
 
-    python scripts/benchmark_loss.py [--rows 3500] [--vocab 8000] [--rounds 5] [--repeats 5]
+    python benchmarks/benchmark_loss.py [--rows 3500] [--vocab 8000] [--rounds 5] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ import time
 
 import torch
 import torch.nn.functional as F
+from ledger import describe_machine
 from torch.profiler import ProfilerActivity, profile
 
 from seq2seq.training.loss import output_layer_loss
-from seq2seq.training.precision import cpu_has_native_bf16, describe_machine
+from seq2seq.training.precision import cpu_has_native_bf16
 
 SMOOTHING = 0.1
 
@@ -47,7 +48,7 @@ def main() -> None:
         "ours (fused)": lambda: output_layer_loss(hidden, weight, target, SMOOTHING),
     }
     precisions = {"fp32": None} | ({"bf16": torch.bfloat16} if cpu_has_native_bf16() else {})
-    print(f"{describe_machine(torch.device('cpu'))}, {args.threads} threads")
+    print(f"{describe_machine()}, {args.threads} threads")
     no_bf16 = "" if "bf16" in precisions else "; no bf16 side: this CPU emulates it"
     print(f"{args.rows} rows x d {args.width} -> {args.vocab} classes, forward + backward; "
           f"best of {args.rounds} rounds of {args.repeats} calls per side{no_bf16}")  # fmt: skip

@@ -17,9 +17,9 @@ beside the short one-line requests: every short request must be answered 200 or 
 server's --timeout (the worker is freed within a decoding step of a heavy request's deadline), and
 none with a 500.
 
-    python scripts/benchmark_serve.py --model models/bible-int8 --input data/bible/test.en
-    python scripts/benchmark_serve.py --model models/demo-int8 --input data/demo/test.en --hostile 3
-    python scripts/benchmark_serve.py --model runs/demo/checkpoints/best.pt --input data/demo/test.en --heavy 2
+    python benchmarks/benchmark_serve.py --model models/bible-int8 --input data/bible/test.en
+    python benchmarks/benchmark_serve.py --model models/demo-int8 --input data/demo/test.en --hostile 3
+    python benchmarks/benchmark_serve.py --model runs/demo/checkpoints/best.pt --input data/demo/test.en --heavy 2
 """
 
 from __future__ import annotations

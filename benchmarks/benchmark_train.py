@@ -18,10 +18,10 @@ high-water mark, is what shows growth). It prints the records and how much the w
 the run, and --plot writes them as a PNG. The side "ours bf16 untrimmed" leaves the heap release
 out, to measure what it costs and saves.
 
-    python scripts/benchmark_train.py [--config configs/bible_en_es.yaml] [--steps 20]
-    python scripts/benchmark_train.py --steps 2000 --plot memory.png   # a long run
-    python scripts/benchmark_train.py --steps 600 --sides "ours bf16" "ours bf16 untrimmed"  # the heap release
-    python scripts/benchmark_train.py --model base --max-tokens 16000 --sides "ours bf16"   # on a GPU
+    python benchmarks/benchmark_train.py [--config configs/bible_en_es.yaml] [--steps 20]
+    python benchmarks/benchmark_train.py --steps 2000 --plot memory.png   # a long run
+    python benchmarks/benchmark_train.py --steps 600 --sides "ours bf16" "ours bf16 untrimmed"  # the heap release
+    python benchmarks/benchmark_train.py --model base --max-tokens 16000 --sides "ours bf16"   # on a GPU
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from ledger import describe_machine
 from torch import nn
 
 from seq2seq.config import Config
@@ -50,7 +51,7 @@ from seq2seq.data.tokenizer import Tokenizer, load_or_train_tokenizer
 from seq2seq.errors import UserInputError
 from seq2seq.model.transformer import build_model, sinusoidal_positions
 from seq2seq.training.host_memory import HEAP_TRIM_EVERY, release_free_heap
-from seq2seq.training.precision import cpu_has_native_bf16, describe_machine
+from seq2seq.training.precision import cpu_has_native_bf16
 from seq2seq.training.run_log import PeakRss, current_rss_mb, peak_memory_mb
 from seq2seq.training.train_step import build_optimizer, build_scaler, compile_for_training, train_step
 
@@ -299,7 +300,7 @@ def main() -> int:
 
 
 def report(args, rates: dict[str, float], results: dict, preparation_peak: float) -> None:
-    device = describe_machine(DEVICE) + ("" if DEVICE.type == "cuda" else f", {args.threads} threads")
+    device = describe_machine() + ("" if DEVICE.type == "cuda" else f", {args.threads} threads")
     print(f"config {args.config} + {' '.join(MODELS[args.model])}{' (compiled)' if args.compile else ''}")
     print(f"{device}; {args.max_tokens} tokens/batch (the same batches for every side, epoch after epoch)")
     print(f"matmul rate here: fp32 {rates['fp32'] / 1e9:,.0f} GFLOP/s, bf16 {rates['bf16'] / 1e9:,.0f} GFLOP/s")

@@ -6,7 +6,7 @@ Writes a file of --lines lines (the sentences of --input, repeated), translates 
 second, and prints RSS once the first chunk is under way, at the end and at its peak; --plot writes
 the samples as a PNG.
 
-    python scripts/benchmark_translate_memory.py --model runs/demo/checkpoints/best.pt --input data/demo/test.en
+    python benchmarks/benchmark_translate_memory.py --model runs/demo/checkpoints/best.pt --input data/demo/test.en
 """
 
 from __future__ import annotations

@@ -123,9 +123,11 @@ def results() -> dict[str, list[dict]]:
     found: dict[str, list[dict]] = {}
     for path in sorted(RESULTS.glob("*/*.json")):
         result = json.loads(path.read_text(encoding="utf-8"))
-        result["path"] = path.relative_to(HERE).as_posix()
+        result["path"] = f"results/{path.parent.name}/{path.name}"  # as benchmarks/README.md links it
         found.setdefault(result["benchmark"], []).append(result)
-    return {name: sorted(runs, key=lambda r: (r["date"], r["path"]), reverse=True) for name, runs in sorted(found.items())}
+    return {
+        name: sorted(runs, key=lambda r: (r["date"], r["path"]), reverse=True) for name, runs in sorted(found.items())
+    }
 
 
 def latest_by_kind(runs: list[dict]) -> dict[str, dict]:

@@ -8,8 +8,8 @@ torch.profiler. A step whose wall time is well over its device busy time is boun
 (Python and kernel launches), one close to it by the device's kernels; the table of ops by device
 time says which. Runs on the GPU when there is one, else on the CPU (no device time there).
 
-    python scripts/profile_train.py --model base --max-tokens 16000 --precision bf16          # on a GPU
-    python scripts/profile_train.py --model base --max-tokens 16000 --precision bf16 --compile --warmup 60
+    python benchmarks/profile_train.py --model base --max-tokens 16000 --precision bf16          # on a GPU
+    python benchmarks/profile_train.py --model base --max-tokens 16000 --precision bf16 --compile --warmup 60
 """
 
 from __future__ import annotations

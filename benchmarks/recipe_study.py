@@ -8,15 +8,16 @@ is chosen by validation BLEU, never by test; the chosen runs are then scored on 
 directory that already holds a finished run is scored again, not retrained, so an interrupted
 study continues where it stopped.
 
-    python scripts/recipe_study.py configs/small_data.yaml --out runs/study --steps 600 \\
+    python benchmarks/recipe_study.py configs/small_data.yaml --out runs/study --steps 600 \\
         --variant shipped --variant "wsd: train.schedule=wsd train.warmup_fraction=0.1" \\
-        --lrs 1e-3 2e-3 4e-3 --seeds 2 --json runs/study/study.json
+        --lrs 1e-3 2e-3 4e-3 --seeds 2
+    python benchmarks/ledger.py run recipe_study.py configs/small_data.yaml ...   (the same, recorded in the ledger)
 
 A variant is `NAME` (the config as it is) or `NAME: key=value key=value ...`. The baseline is
 `--baseline` (default: inverse_sqrt, 400 warmup updates) at each of --baseline-lrs. `--common`
 overrides apply to every run, e.g. another corpus for the same recipe:
 
-    python scripts/recipe_study.py configs/small_data.yaml --out runs/study-messages --steps 600 --variant shipped \
+    python benchmarks/recipe_study.py configs/small_data.yaml --out runs/study-messages --steps 600 --variant shipped \
         --common "data.tgt_lang=de data.train.src=data/messages/train.en data.train.tgt=data/messages/train.de \
                   data.valid.src=data/messages/valid.en data.valid.tgt=data/messages/valid.de \
                   data.test.src=data/messages/test.en data.test.tgt=data/messages/test.de"
@@ -25,20 +26,16 @@ overrides apply to every run, e.g. another corpus for the same recipe:
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 import yaml
-
-from seq2seq.training.precision import describe_machine
+from ledger import describe_machine
 
 BASELINE = "train.schedule=inverse_sqrt train.warmup_steps=400 train.warmup_fraction=0"
 
@@ -109,7 +106,6 @@ def main() -> int:
     budget.add_argument("--steps", type=int, help="updates per run")
     budget.add_argument("--seconds", type=float, help="seconds of training per run (train.max_time)")
     parser.add_argument("--jobs", type=int, default=1, help="runs side by side (threads are shared out)")
-    parser.add_argument("--json", type=Path, help="also write the study's result here (machine, command, rows)")
     parser.add_argument("--common", default="", help="key=value overrides for every run (e.g. the corpus)")
     args = parser.parse_args()
     threads = max(1, (os.cpu_count() or 1) // args.jobs)
@@ -122,7 +118,7 @@ def main() -> int:
     shipped_lr = yaml.safe_load(args.config.read_text(encoding="utf-8"))["train"]["lr"]
     recipes = [("baseline", tuple(args.baseline.split()), args.baseline_lrs)]
     recipes += [(*parse_variant(text), args.lrs or [shipped_lr]) for text in args.variant]
-    machine = describe_machine(torch.device("cpu"))
+    machine = describe_machine()
     print(f"{machine}; {args.jobs} run(s) at a time, {threads} thread(s) each; budget: "
           f"{f'{args.steps} updates' if args.steps else f'{args.seconds:g} s of training'}", flush=True)  # fmt: skip
 
@@ -141,12 +137,6 @@ def main() -> int:
     scored = [score(args.config, args.out, outcome, threads, common) for outcome in [*chosen.values(), *seeds]]
     rows = _table(sweep, scored)
     print("\n".join(rows))
-    if args.json:
-        result = {"benchmark": "recipe_study", "machine": machine, "cpu_count": os.cpu_count(),
-                  "torch": torch.__version__, "python": platform.python_version(),
-                  "date": datetime.date.today().isoformat(), "command": " ".join(sys.argv),
-                  "sweep": [asdict(o) for o in sweep], "scored": [asdict(o) for o in scored]}  # fmt: skip
-        args.json.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
     return 0
 
 

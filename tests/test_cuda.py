@@ -101,7 +101,7 @@ def test_cached_decoding_equals_full_pass_with_fused_attention():
 @pytest.mark.parametrize(("length", "kernel"), [(40, "_efficient_attention"), (200, "_flash_attention")])
 def test_short_sentences_take_the_memory_efficient_kernel_long_ones_flash(length, kernel):
     """Flash attention's 128-position tiles waste most of their work on ~40-token sentences, where the
-    memory-efficient kernel is faster (scripts/benchmark_attention.py); past SHORT_ATTENTION, flash."""
+    memory-efficient kernel is faster (benchmarks/benchmark_attention.py); past SHORT_ATTENTION, flash."""
     from torch.profiler import ProfilerActivity, profile
 
     config = ModelConfig(d_model=128, heads=2, encoder_layers=1, decoder_layers=1, ffn_dim=256, dropout=0.0)

@@ -173,7 +173,7 @@ class DecoderCache:
 FUSED_ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 # The same kernels, memory-efficient first, for sequences of at most SHORT_ATTENTION positions on a GPU.
 # Flash attention works in tiles of 128 positions, so a ~40-token sentence leaves most of each tile idle;
-# the memory-efficient kernel is faster there, flash past ~100 positions (scripts/benchmark_attention.py
+# the memory-efficient kernel is faster there, flash past ~100 positions (benchmarks/benchmark_attention.py
 # measures both; its figures are in the README, GPU).
 SHORT_ATTENTION = 96
 SHORT_ATTENTION_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]

@@ -21,10 +21,8 @@ would emulate it is kept (the user asked for it) with one warning that gives the
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
-import platform
 import time
 from dataclasses import dataclass
 
@@ -69,23 +67,6 @@ def _rate(dtype: torch.dtype) -> float:
 def cpu_matmul_rates() -> MatmulRates:
     """Measured once per process."""
     return MatmulRates(fp32=_rate(torch.float32), bf16=_rate(torch.bfloat16))
-
-
-def describe_machine(device: torch.device) -> str:
-    """The GPU's name, or the CPU's model and the instruction sets that decide its speed (benchmarks
-    print it next to their figures)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    model, flags = platform.processor() or "unknown CPU", set()
-    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-        for line in cpuinfo:
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                model = value.strip()
-            elif key.strip() == "flags":
-                flags = set(value.split())
-    isa = [flag for flag in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if flag in flags]
-    return f"{model} ({' '.join(isa) or 'no AVX2'})"
 
 
 def onednn_runs_bf16() -> bool:

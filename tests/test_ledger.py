@@ -1,0 +1,47 @@
+"""The benchmark ledger: a benchmark's printed tables become a machine-stamped result, and the pages
+rendered from the results show each machine kind's latest figures with the history below."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks import ledger
+
+OUTPUT = """model runs/demo, beam 5
+
+| clients | requests/s | p50 latency |
+|---|---|---|
+| 1 | 38.2 | 24 ms |
+| 8 | 108.9 | 47 ms |
+
+server: 132 requests
+"""
+
+
+def write(folder, benchmark, date, kind, figure):
+    result = {"benchmark": benchmark, "date": date, "commit": "abc1234", "command": f"python benchmarks/{benchmark}.py",
+              "machine": {"kind": kind, "cpu": "a CPU", "isa": ["avx2"], "cores": 2, "torch": "2.13.0"},
+              "tables": ledger.tables(OUTPUT.replace("38.2", figure)), "output": ""}  # fmt: skip
+    path = folder / benchmark / f"{date}-{kind}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result))
+
+
+def test_the_tables_of_a_benchmarks_output_are_its_figures():
+    (table,) = ledger.tables(OUTPUT)
+    assert table == [{"clients": "1", "requests/s": "38.2", "p50 latency": "24 ms"},
+                     {"clients": "8", "requests/s": "108.9", "p50 latency": "47 ms"}]  # fmt: skip
+
+
+def test_the_pages_show_each_kinds_latest_result_and_the_history(tmp_path, monkeypatch):
+    monkeypatch.setattr(ledger, "RESULTS", tmp_path)
+    write(tmp_path, "benchmark_serve", "2026-11-20", "CPU with AVX2 only", "30.0")
+    write(tmp_path, "benchmark_serve", "2026-11-25", "CPU with AVX2 only", "38.2")
+    write(tmp_path, "benchmark_serve", "2026-11-24", "CPU with AMX", "50.5")
+    results = ledger.results()
+    page = ledger.render_page(results)
+    assert "### CPU with AVX2 only: 2026-11-25" in page and "### CPU with AVX2 only: 2026-11-20" not in page
+    assert "| 1 | 38.2 | 24 ms |" in page and "| 1 | 50.5 | 24 ms |" in page and "| 1 | 30.0 |" not in page
+    assert page.count("- 2026-11-") == 3  # the history keeps every result
+    glance = ledger.glance(results)
+    assert "| CPU with AVX2 only | 1: 38.2; 8: 108.9 |" in glance and "| CPU with AMX | 1: 50.5; 8: 108.9 |" in glance
