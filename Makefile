@@ -11,7 +11,7 @@ TORCH_INDEX ?=
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast lint format bench-decode bench-train bench-data clean
+.PHONY: install demo test test-fast lint format docs bench-decode bench-train bench-data clean
 
 install: $(STAMP)
 
@@ -37,6 +37,10 @@ lint: install
 format: install
 	$(BIN)/ruff check --fix seq2seq tests scripts benchmarks
 	$(BIN)/ruff format seq2seq tests scripts benchmarks
+
+docs: install  # the pages written from the code: the configuration reference, the benchmark ledger
+	$(BIN)/python -m seq2seq.config_reference docs/configuration.md
+	$(BIN)/python benchmarks/ledger.py render
 
 bench-decode: install
 	$(BIN)/python benchmarks/benchmark_decode.py

@@ -19,7 +19,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from seq2seq.schema import Bound
+from seq2seq.schema import Bound, bound_problems, setting
 
 ENGINES = frozenset({"pytorch", "ctranslate2"})
 SEED_LIMIT = 2**32  # sampling seeds are 32-bit, as NumPy's and CTranslate2's generators take them
@@ -40,16 +40,9 @@ def option(
     that sets the amount of work); `served`: whether a request may set it; `engines`: those that
     honour it, and for the others `lacking` (what they have no way to do) and `used` (when a call
     relies on the option: from its settings and the keys the caller set)."""
-    metadata = {
-        "help": help,
-        "bound": bound,
-        "served_max": served_max,
-        "served": served,
-        "engines": engines,
-        "lacking": lacking,
-        "used": used,
-    }
-    return dataclasses.field(default=default, metadata=metadata)
+    return setting(
+        default, help, bound, served_max=served_max, served=served, engines=engines, lacking=lacking, used=used
+    )
 
 
 def _sampling_with_epsilon(decode: DecodeConfig, given: Collection[str]) -> bool:
@@ -137,13 +130,9 @@ class DecodeConfig:
         return max(1, math.floor(self.beam * self.patience + 0.5))
 
     def problems(self) -> list[tuple[str, str]]:
-        """Each declared range, then the rules between fields."""
-        found = [
-            (item.name, problem)
-            for item in declarations()
-            if item.bound is not None
-            if (problem := item.bound.problem(getattr(self, item.name), integer=item.kind is int))
-        ]
+        """Each declared range, then the rules between fields (the ranges are checked here too, for a
+        DecodeConfig built outside a config file)."""
+        found = bound_problems(self)
         if found:
             return found
         if self.nbest > self.beam and not self.sample:  # samples are drawn, not kept from a beam

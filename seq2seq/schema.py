@@ -56,9 +56,33 @@ def _number(value: float) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
+def setting(default: Any = dataclasses.MISSING, help: str = "", bound: Bound | None = None, *,
+            factory: Any = dataclasses.MISSING, **declared: Any) -> Any:  # fmt: skip
+    """A config field declared once: its default, one line of help for the reference, its range
+    (checked for every door) and whatever else a section declares of it (`declared`)."""
+    return dataclasses.field(default=default, default_factory=factory, metadata={"help": help, "bound": bound,
+                                                                                **declared})  # fmt: skip
+
+
+def bound_problems(obj: Any) -> list[tuple[str, str]]:
+    """The fields of `obj` outside their declared range."""
+    hints, found = typing.get_type_hints(type(obj)), []
+    for item in dataclasses.fields(obj):
+        bound = item.metadata.get("bound")
+        if bound is not None and (problem := bound.problem(getattr(obj, item.name), integer=hints[item.name] is int)):
+            found.append((item.name, problem))
+    return found
+
+
+def section_problems(obj: Any) -> list[tuple[str, str]]:
+    """One section's problems: its fields outside their ranges, else its own rules between fields."""
+    return bound_problems(obj) or (obj.problems() if hasattr(obj, "problems") else [])
+
+
 def collect_problems(obj: Any, prefix: str, errors: list[tuple[str, str]]) -> None:
-    """Value checks: every section's problems(), keys relative to the section unless already dotted."""
-    for key, message in obj.problems():
+    """Value checks: every field's declared range, then (once those hold) the section's own rules
+    (`problems()`: between fields); keys relative to the section unless already dotted."""
+    for key, message in section_problems(obj):
         errors.append((key if "." in key else prefix + key, message))
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)

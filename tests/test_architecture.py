@@ -9,7 +9,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).parents[1] / "seq2seq"
 # Bottom to top, as data flows: a wing may import its own modules and those of the wings before it.
 WINGS = ["ground", "data", "model", "checkpoint", "inference", "evaluation", "training", "deploy", "cli"]
-GROUND = {"errors", "schema", "decoding", "config", "config_files", "files", "progress"}
+GROUND = {"errors", "schema", "decoding", "config", "config_files", "config_reference", "files", "progress"}
 
 
 def wing_of(module: str) -> str:

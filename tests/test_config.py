@@ -54,7 +54,7 @@ def test_unknown_section_lists_the_valid_ones(tmp_path, tiny_data):
         ("model", "d_model", "big", "model.d_model: expected an integer, got 'big'"),
         ("model", "d_model", 102, "model.d_model: expected a multiple of heads (4), got 102"),
         ("model", "norm", "middle", "model.norm: expected one of post, pre; got 'middle'"),
-        ("train", "warmup_steps", -1, "train.warmup_steps: expected a number >= 0"),
+        ("train", "warmup_steps", -1, "train.warmup_steps: expected an integer >= 0, got -1"),
         ("train", "lr", "fast", "train.lr: expected a finite number, got 'fast'"),
         ("train", "lr", float("nan"), "train.lr: expected a finite number, got nan"),
         ("train", "clip_norm", float("inf"), "train.clip_norm: expected a finite number, got inf"),

@@ -7,6 +7,7 @@ import unicodedata
 from seq2seq.config import TokenizerConfig
 from seq2seq.data.special_tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from seq2seq.data.tokenizer import Tokenizer, train_tokenizer
+from seq2seq.schema import section_problems
 
 
 def test_joint_tokenizer_round_trip_and_special_ids(demo_pairs, tmp_path):
@@ -38,7 +39,7 @@ def test_decomposed_and_composed_text_get_the_same_ids():
     """Data is read as given (no NFC in the readers): SentencePiece's NFKC rule makes the ids equal."""
     pairs = [("café crème brûlée", "señor niño año")] * 50 + [("el café", "año nuevo")] * 50
     config = TokenizerConfig(vocab_size=40, model_type="bpe")  # one the config schema accepts
-    assert config.problems() == []
+    assert section_problems(config) == []
     tokenizer = train_tokenizer(config, pairs)
     composed = ["café crème brûlée", "señor niño"]
     decomposed = [unicodedata.normalize("NFD", line) for line in composed]

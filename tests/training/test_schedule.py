@@ -9,6 +9,7 @@ import pytest
 
 from seq2seq.checkpoint import Progress
 from seq2seq.config import TrainConfig
+from seq2seq.schema import section_problems
 from seq2seq.training.schedule import budget_spent, learning_rate
 
 
@@ -114,4 +115,4 @@ def test_warmup_over_a_share_of_the_budget():
     ],  # fmt: skip
 )
 def test_schedule_settings_that_cannot_work_are_named(overrides, key):
-    assert key in [found for found, _ in TrainConfig(**overrides).problems()]
+    assert key in [found for found, _ in section_problems(TrainConfig(**overrides))]

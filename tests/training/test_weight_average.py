@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from seq2seq.checkpoint import Checkpoint
+from seq2seq.schema import section_problems
 from seq2seq.training.weight_average import ExponentialAverage
 
 from ..conftest import make_trainer
@@ -74,7 +75,7 @@ def test_validation_scores_the_average_and_best_holds_the_better_weights(tmp_pat
 def test_an_impossible_decay_is_named(decay, tmp_path, tiny_data):
     from seq2seq.config import TrainConfig
 
-    problems = dict(TrainConfig(ema_decay=decay).problems())
+    problems = dict(section_problems(TrainConfig(ema_decay=decay)))
     assert ("ema_decay" in problems) == (decay >= 1.0)
 
 
@@ -115,5 +116,5 @@ def test_a_run_averages_its_last_saves_when_it_stops(tmp_path, tiny_data, monkey
 def test_average_last_needs_the_saves_it_averages():
     from seq2seq.config import TrainConfig
 
-    problems = dict(TrainConfig(average_last=6, keep_last=5).problems())
+    problems = dict(section_problems(TrainConfig(average_last=6, keep_last=5)))
     assert "expected 0 (off) or an integer in [2, keep_last (5)]" in problems["average_last"]
