@@ -2,8 +2,10 @@
 """The benchmark ledger: one machine-stamped JSON result per benchmark run, and the pages rendered from them.
 
     python benchmarks/ledger.py run benchmark_train.py --sides "reference fp32" "ours fp32" --steps 200
+    seq2seq demo 2>&1 | python benchmarks/ledger.py record demo --command "seq2seq demo"
     python benchmarks/ledger.py render
 
+`record` stores what a command printed (its stdin) as a result of its own, e.g. the demo's run;
 `run` runs a benchmark of this folder as it is (its arguments after the script's name), shows its
 output as it comes, and writes benchmarks/results/<benchmark>/<date>-<machine kind>-<commit>.json:
 the machine (CPU model and ISA flags, or the GPU; cores; torch and Python), the date, the commit,
@@ -26,6 +28,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from seq2seq.files import write_text_atomic
+
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 ROOT = HERE.parent
@@ -38,6 +42,7 @@ GLANCE = {
     "benchmark_serve": ("requests/s", "serving one sentence per request (requests/s)"),
     "recipe_study": ("mean", "recipe study, test BLEU (mean over seeds)"),
 }
+OUTPUT_TAIL_LINES = 6  # what the page quotes of a result without tables
 KINDS = {"amx_bf16": "CPU with AMX", "avx512_bf16": "CPU with AVX-512-bf16", "avx2": "CPU with AVX2 only"}
 
 
@@ -113,8 +118,8 @@ def record(benchmark: str, output: str, *, command: str, extra: dict | None = No
     slug = re.sub(r"[^a-z0-9]+", "-", found["kind"].lower()).strip("-")
     path = RESULTS / benchmark / f"{result['date']}-{slug}-{result['commit'].split('+')[0] or 'nocommit'}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-    print(f"recorded: {path.relative_to(ROOT)}", file=sys.stderr)
+    write_text_atomic(path, json.dumps(result, indent=1, ensure_ascii=False) + "\n")
+    print(f"recorded: {os.path.relpath(path, ROOT)}", file=sys.stderr)
     return path
 
 
@@ -152,6 +157,8 @@ def render_page(ledger: dict[str, list[dict]]) -> str:
                 lines += [result["note"], ""]
             for table in result["tables"]:
                 lines += [*_markdown(table), ""]
+            if not result["tables"] and result.get("output"):  # a command's own report (the demo's): its end
+                lines += ["```text", *result["output"].rstrip().splitlines()[-OUTPUT_TAIL_LINES:], "```", ""]
         lines += ["History:", ""]
         lines += [f"- {r['date']}, {r['machine']['kind']}, commit {r['commit']}: [{Path(r['path']).name}]({r['path']})"
                   for r in runs]  # fmt: skip
@@ -190,26 +197,31 @@ def _row_name(row: dict) -> str:
 
 def render() -> None:
     ledger = results()
-    (HERE / "README.md").write_text(render_page(ledger) + "\n", encoding="utf-8")
+    write_text_atomic(HERE / "README.md", render_page(ledger) + "\n")
     readme = ROOT / "README.md"
     text = readme.read_text(encoding="utf-8")
     if GLANCE_START in text and GLANCE_END in text:
         before, rest = text.split(GLANCE_START, 1)
         _, after = rest.split(GLANCE_END, 1)
-        readme.write_text(f"{before}{GLANCE_START}\n{glance(ledger)}\n{GLANCE_END}{after}", encoding="utf-8")
+        write_text_atomic(readme, f"{before}{GLANCE_START}\n{glance(ledger)}\n{GLANCE_END}{after}")
     print(f"rendered benchmarks/README.md and the README's glance table from {sum(map(len, ledger.values()))} results")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="action", required=True)
     running = commands.add_parser("run", help="run a benchmark of this folder and record its result")
     running.add_argument("script")
     running.add_argument("arguments", nargs=argparse.REMAINDER)
+    recording = commands.add_parser("record", help="record what a command printed (stdin) as a result")
+    recording.add_argument("name")
+    recording.add_argument("--command", required=True, help="the command that printed it")
     commands.add_parser("render", help="write benchmarks/README.md and the README's glance table")
     args = parser.parse_args()
-    if args.command == "run":
+    if args.action == "run":
         run(args.script, args.arguments)
+    elif args.action == "record":
+        record(args.name, sys.stdin.read(), command=args.command)
     else:
         render()
     return 0

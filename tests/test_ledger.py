@@ -3,6 +3,7 @@ rendered from the results show each machine kind's latest figures with the histo
 
 from __future__ import annotations
 
+import io
 import json
 
 from benchmarks import ledger
@@ -45,3 +46,15 @@ def test_the_pages_show_each_kinds_latest_result_and_the_history(tmp_path, monke
     assert page.count("- 2026-11-") == 3  # the history keeps every result
     glance = ledger.glance(results)
     assert "| CPU with AVX2 only | 1: 38.2; 8: 108.9 |" in glance and "| CPU with AMX | 1: 50.5; 8: 108.9 |" in glance
+
+
+def test_record_stores_what_a_command_printed_and_the_page_quotes_its_end(tmp_path, monkeypatch):
+    monkeypatch.setattr(ledger, "RESULTS", tmp_path)
+    monkeypatch.setattr("sys.argv", ["ledger.py", "record", "demo", "--command", "seq2seq demo"])
+    monkeypatch.setattr("sys.stdin", io.StringIO("training...\ntest BLEU: checkpoint 96.21\ndone\n"))
+    assert ledger.main() == 0
+    (path,) = tmp_path.glob("demo/*.json")
+    result = json.loads(path.read_text())
+    assert result["benchmark"] == "demo" and result["command"] == "seq2seq demo" and result["tables"] == []
+    page = ledger.render_page(ledger.results())
+    assert "`seq2seq demo`" in page and "test BLEU: checkpoint 96.21\ndone\n```" in page
