@@ -126,7 +126,9 @@ class Checkpoint:
 
     @classmethod
     def load(cls, path: str | Path) -> Checkpoint:
-        """Load tensors and plain data only; arbitrary pickled objects are refused."""
+        """Load tensors and plain data only; arbitrary pickled objects are refused. A run directory
+        means its best checkpoint (its last when it has not validated yet)."""
+        path = run_checkpoint(Path(path)) if Path(path).is_dir() else path
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
         except FileNotFoundError:
@@ -153,6 +155,17 @@ class InferenceBundle:
     model: Seq2SeqTransformer
     tokenizer: Tokenizer
     config: Config
+
+
+def run_checkpoint(run_dir: Path) -> Path:
+    """The checkpoint a run directory stands for, as users of `translate -c runs/NAME` expect."""
+    for name in (BEST, LAST):
+        if (run_dir / "checkpoints" / name).is_file():
+            return run_dir / "checkpoints" / name
+    raise UserInputError(
+        f"{run_dir}: a directory without checkpoints/{BEST} or checkpoints/{LAST}; expected a checkpoint "
+        "file (.pt), a run directory that has saved one, or a directory written by `seq2seq export`"
+    )
 
 
 def load_for_inference(path: str | Path, device: torch.device | str = "cpu") -> InferenceBundle:

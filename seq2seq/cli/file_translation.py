@@ -97,8 +97,8 @@ def translate_file(
     attention_plot: Path | None = None,
     guides: LineGuides = LineGuides(),
 ) -> list[Path]:
-    """`seq2seq translate`: `model` is a checkpoint, an exported directory or a list of checkpoints (an
-    ensemble); `source` and `output` are paths or "-" (stdin, stdout). With n-best > 1 each line
+    """`seq2seq translate`: `model` is a checkpoint, a run directory, an exported directory or a list of
+    checkpoints (an ensemble); `source` and `output` are paths or "-" (stdin, stdout). With n-best > 1 each line
     becomes `index ||| text ||| score` lines. Returns the attention plots written, if asked for."""
     if source != "-" and not Path(source).is_file():
         problem = "is a directory" if Path(source).is_dir() else "file not found"

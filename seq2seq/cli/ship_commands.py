@@ -75,10 +75,11 @@ def export(
 ) -> None:
     """Export a checkpoint as a CTranslate2 model, through a parity gate that decodes with both.
 
-    Nothing is written unless the exported model translates like the checkpoint (float32: greedy
+    The model is written only if it translates like the checkpoint (float32: greedy
     outputs identical on >= 99% of sentences and beam BLEU within 0.2; quantized: BLEU drop at most
-    --max-bleu-drop); then it exits 1.
+    --max-bleu-drop); otherwise nothing is written and it exits 1.
 
+    \b
     Examples:
       seq2seq export runs/demo/checkpoints/best.pt -o models/demo-ct2
       seq2seq export runs/bible/checkpoints/best.pt -o models/bible-int8 --quantization int8
@@ -111,7 +112,8 @@ def _limit(flag: str, help: str, kind: type = int, minimum: float = 1):
 def serve(
     model: Annotated[
         list[Path],
-        typer.Argument(help="A checkpoint (.pt) or an exported directory; several checkpoints: an ensemble.",
+        typer.Argument(help="A checkpoint (.pt), a run directory (its best.pt) or an exported directory; several "
+                           "checkpoints: an ensemble.",
                        show_default=False),
     ],
     host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
@@ -135,6 +137,7 @@ def serve(
 ) -> None:  # fmt: skip
     """Serve a model over HTTP: POST /translate {"lines": [...]}, POST /score and GET /health.
 
+    \b
     Examples:
       seq2seq serve models/bible-int8 --port 8000
       seq2seq serve runs/bible/checkpoints/step_00009000.pt runs/bible/checkpoints/step_00010000.pt

@@ -56,6 +56,7 @@ def train(
 
     Writes RUN_DIR/config.yaml (the resolved config), tokenizer/, checkpoints/ and metrics.jsonl.
 
+    \b
     Examples:
       seq2seq train configs/demo.yaml --set train.max_steps=2000
       seq2seq train configs/demo.yaml --resume runs/demo

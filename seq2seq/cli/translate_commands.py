@@ -11,14 +11,10 @@ import typer
 from seq2seq.cli.app import SetOption, app
 from seq2seq.cli.boundary import user_errors
 
-CheckpointOption = Annotated[
-    Path, typer.Option("--checkpoint", "-c", help="A checkpoint (.pt), or a directory from `seq2seq export`.")
-]
+MODEL_HELP = "A checkpoint (.pt), a run directory (its best.pt), or a directory from `seq2seq export`"
+CheckpointOption = Annotated[Path, typer.Option("--checkpoint", "-c", help=f"{MODEL_HELP}.")]
 CheckpointsOption = Annotated[
-    list[Path],
-    typer.Option(
-        "--checkpoint", "-c", help="A checkpoint (.pt) or a directory from `seq2seq export`; repeat for an ensemble."
-    ),
+    list[Path], typer.Option("--checkpoint", "-c", help=f"{MODEL_HELP}; repeat for an ensemble.")
 ]
 BeamOption = Annotated[
     Optional[int],  # noqa: UP045
@@ -74,6 +70,7 @@ def translate(
 ) -> None:
     """Translate text, one sentence per line.
 
+    \b
     Examples:
       seq2seq translate -c runs/demo/checkpoints/last.pt -i test.en -o test.out --beam 5
       echo "the cat sleeps" | seq2seq translate -c runs/demo/checkpoints/best.pt
@@ -112,6 +109,7 @@ def score_pairs(
     The score is the log-probability normalised by length as beam search ranks outputs
     (decode.length_norm); use it to filter noisy parallel data or rerank.
 
+    \b
     Examples:
       seq2seq score-pairs -c runs/demo/checkpoints/best.pt --src data/demo/test.en --tgt data/demo/test.xx
       seq2seq score-pairs -c models/demo-ct2 --src train.en --tgt train.xx -o scores.tsv --per-token
@@ -167,6 +165,7 @@ def evaluate(
 ) -> None:
     """Translate --src and score it against --ref with sacrebleu (scores with their signatures).
 
+    \b
     Examples:
       seq2seq eval -c runs/demo/checkpoints/best.pt --src data/demo/test.en --ref data/demo/test.xx
       seq2seq eval -c models/bible-int8 --src test.en --ref test.es --ref test2.es --metrics bleu,chrf++,ter

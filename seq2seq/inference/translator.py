@@ -45,19 +45,14 @@ class Translator:
 
     @classmethod
     def load(cls, path: str | Path | list[str | Path], *, device: str | None = None) -> Translator:
-        """A checkpoint file (PyTorch), several as an ensemble (a list; the first's decode settings),
-        or a directory from `seq2seq export` (CTranslate2)."""
+        """A checkpoint file (PyTorch) or a run directory (its best checkpoint), several as an ensemble (a
+        list; the first's decode settings), or a directory from `seq2seq export` (CTranslate2)."""
         if isinstance(path, (list, tuple)):
             if len(path) > 1:
                 return cls._load_ensemble([Path(item) for item in path], device)
             path = path[0]
         path = Path(path)
-        if path.is_dir():
-            if not (path / EXPORT_METADATA).is_file():
-                raise UserInputError(
-                    f"{path}: not an exported model (no {EXPORT_METADATA}); expected a checkpoint "
-                    "file (.pt) or a directory written by `seq2seq export`"
-                )
+        if (path / EXPORT_METADATA).is_file():
             from seq2seq.inference.ctranslate2_engine import load_exported
 
             decode, engine = load_exported(path, device=device)
@@ -76,7 +71,7 @@ class Translator:
         from seq2seq.checkpoint import Checkpoint
         from seq2seq.inference.ensemble import Ensemble
 
-        exported = [str(path) for path in paths if path.is_dir()]
+        exported = [str(path) for path in paths if (path / EXPORT_METADATA).is_file()]
         if exported:
             raise UserInputError(
                 f"{', '.join(exported)}: an ensemble needs checkpoints (.pt); CTranslate2 decodes one model"

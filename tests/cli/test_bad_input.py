@@ -121,7 +121,8 @@ CASES = {
     "translate -c junk": Case(lambda w: ["translate", "-c", w.junk],
                               lambda w: [str(w.junk), "not a readable seq2seq checkpoint"], input="a cat\n"),
     "translate -c a plain directory": Case(lambda w: ["translate", "-c", w.folder],
-                                           lambda w: [str(w.folder), "not an exported model"], input="a cat\n"),
+                                           lambda w: [str(w.folder), "a directory without checkpoints/best.pt"],
+                                           input="a cat\n"),
     "translate --beam 0": Case(lambda w: ["translate", "-c", w.checkpoint, "--beam", "0"],
                                lambda w: ["Invalid value for '--beam'"], input="a cat\n"),
     "translate a non-finite setting": Case(

@@ -199,7 +199,7 @@ def test_existing_output_and_foreign_directories_are_refused(checkpoint, tmp_pat
     result = invoke("export", path, "-o", tmp_path / "taken")
     assert result.exit_code == 2 and "already exists" in result.stderr
     result = invoke("translate", "-c", data, "-i", data / "test.en")
-    assert result.exit_code == 2 and "not an exported model" in result.stderr
+    assert result.exit_code == 2 and "a directory without checkpoints/best.pt" in result.stderr
     (tmp_path / "taken" / EXPORT_METADATA).write_text(json.dumps({"config": {}, "tokenizer": {}}))
     result = invoke("translate", "-c", tmp_path / "taken", "-i", data / "test.en")
     assert result.exit_code == 2 and "Traceback" not in result.output

@@ -90,3 +90,14 @@ def test_a_plan_counts_pieces_limits_and_hypotheses(translator):
     assert constrained.limit == plain.limit + extra
     (sampled,) = translator.plan([line], translator.settings(sample=True, nbest=7))
     assert sampled.rows == 7
+
+
+def test_a_run_directory_means_its_best_checkpoint_else_its_last(trained_checkpoint, translator, lines, tmp_path):
+    saved = trained_checkpoint[0].read_bytes()
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "last.pt").write_bytes(saved)
+    expected = translator.translate(lines, beam=2)
+    assert Translator.load(tmp_path, device="cpu").translate(lines, beam=2) == expected
+    (tmp_path / "checkpoints" / "last.pt").write_bytes(b"not a checkpoint")  # best.pt, when there is one, wins
+    (tmp_path / "checkpoints" / "best.pt").write_bytes(saved)
+    assert Translator.load(tmp_path, device="cpu").translate(lines, beam=2) == expected
