@@ -17,6 +17,7 @@ exported model would refuse it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -104,8 +105,7 @@ def export_checkpoint(
         raise UserInputError(f"--quantization {quantization}: expected one of {', '.join(QUANTIZATIONS)}")
     if output.exists():
         raise UserInputError(f"{output}: already exists; expected a new directory (delete it or choose another -o)")
-    if not output.parent.is_dir():
-        raise UserInputError(f"{output.parent}: no such directory for the exported model")
+    missing = _missing_folders(output.parent)  # made when the work starts, removed again if it fails
     checkpoint = Checkpoint.load(checkpoint_path)
     sources, references = _check_sentences(checkpoint, check_src, check_ref, check_lines)
     positions = max_positions or position_table_size(checkpoint.config)
@@ -118,6 +118,8 @@ def export_checkpoint(
         names=Names(line=f"{where}:{{number}}"),
     )
     spec = build_spec(checkpoint, positions)
+    for folder in reversed(missing):
+        folder.mkdir()
     remove_stale_temporaries(output.parent, output.name)  # a killed export's staging folder
     staging = temporary_path(output)
     try:
@@ -139,6 +141,23 @@ def export_checkpoint(
         return report
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+        for folder in missing if not output.exists() else []:
+            with contextlib.suppress(OSError):  # emptied of our staging only; anything else keeps it
+                folder.rmdir()
+
+
+def _missing_folders(folder: Path) -> list[Path]:
+    """The folders of `folder`'s path that do not exist yet, deepest first (as users of `-o models/x`
+    expect them made); one line now if the nearest existing one is a file or read-only."""
+    missing = []
+    while not folder.exists():
+        missing.append(folder)
+        folder = folder.parent
+    if not folder.is_dir():
+        raise UserInputError(f"{folder}: is not a directory; expected a folder for the exported model")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UserInputError(f"{folder}: is not writable; expected a writable folder for the exported model")
+    return missing
 
 
 def parity(

@@ -45,9 +45,10 @@ def exported_model(trained_checkpoint, tmp_path_factory):
 
 def test_float32_export_passes_the_gate_and_translates_like_the_checkpoint(checkpoint, tmp_path):
     path, data = checkpoint
-    result = invoke("export", path, "-o", tmp_path / "model")
+    result = invoke("export", path, "-o", tmp_path / "models" / "model")  # its folder is made, as `mkdir -p`
     assert result.exit_code == 0, result.output
     assert "greedy outputs identical on 100.0%" in result.stdout
+    (tmp_path / "models" / "model").rename(tmp_path / "model")
     metadata = json.loads((tmp_path / "model" / EXPORT_METADATA).read_text())
     assert metadata["parity"]["passed"] and metadata["step"] == 60 and metadata["tgt_lang"] == "xx"
     lines = (data / "test.en").read_text().splitlines()[:20] + [""]
@@ -172,10 +173,10 @@ def scrambled_spec(monkeypatch) -> None:
 def test_a_wrong_export_is_caught_and_leaves_nothing(checkpoint, tmp_path, monkeypatch):
     path, _ = checkpoint
     scrambled_spec(monkeypatch)
-    result = invoke("export", path, "-o", tmp_path / "wrong")
+    result = invoke("export", path, "-o", tmp_path / "models" / "new" / "wrong")
     assert result.exit_code == 1
     assert "export refused: greedy outputs identical on" in result.stderr and "Traceback" not in result.output
-    assert not any(tmp_path.iterdir())  # neither the model nor its staging folder
+    assert not any(tmp_path.iterdir())  # neither the model, its staging folder, nor the folders made for them
 
 
 @pytest.mark.parametrize(
