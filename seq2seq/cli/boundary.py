@@ -106,6 +106,9 @@ def user_errors(command):
         except KeyboardInterrupt:
             typer.echo("interrupted; the last checkpoint is kept (resume with --resume RUN_DIR)", err=True)
             raise typer.Exit(130) from None
+        except BrokenPipeError:  # the reader of stdout stopped (`| head`): stop quietly, as Unix tools do
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot fail again
+            raise typer.Exit(141) from None  # 128 + SIGPIPE, what `cat big | head` reports
         except Exception as error:
             if debugging():
                 raise

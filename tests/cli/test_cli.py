@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -336,3 +338,14 @@ def test_demo_replaces_only_its_own_runs(tmp_path):
     (tmp_path / DEMO_MARKER).write_text("demo")
     (tmp_path / "train.log").write_text("")
     assert _check_run_dir(tmp_path) is True
+
+
+def test_a_reader_that_stops_early_ends_the_command_quietly(tmp_path):
+    """`seq2seq ... | head -1`: once the reader has gone, the command stops without an error message."""
+    hyps = tmp_path / "hyps.txt"
+    hyps.write_text("a cat\n" * 10)
+    command = [sys.executable, "-m", "seq2seq", "score", "--hyp", str(hyps), "--ref", str(hyps)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process.stdout.close()  # the reader is gone before the first result is written
+    stderr = process.stderr.read()
+    assert process.wait() == 141 and stderr == ""
