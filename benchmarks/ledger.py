@@ -33,6 +33,7 @@ from seq2seq.files import write_text_atomic
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 ROOT = HERE.parent
+PAGE, README = HERE / "README.md", ROOT / "README.md"  # what `render` writes
 GLANCE_START, GLANCE_END = "<!-- ledger: glance -->", "<!-- /ledger: glance -->"
 # What the README's glance table shows: per benchmark, the table column it quotes from the latest result
 # of each machine kind, and how many rows.
@@ -186,7 +187,7 @@ def glance(ledger: dict[str, list[dict]]) -> str:
         for kind, result in latest_by_kind(ledger.get(name, [])).items():
             cells = [f"{_row_name(row)}: {row[column]}" for table in result["tables"] for row in table if column in row]
             if cells:
-                link = f"[{result['date']}](benchmarks/README.md#{name.replace('_', '-')})"
+                link = f"[{result['date']}](benchmarks/README.md#{name})"  # GitHub's anchor keeps the underscore
                 lines.append(f"| {what} | {kind} | {'; '.join(cells[:4])} | {link} |")
     return "\n".join(lines)
 
@@ -197,13 +198,12 @@ def _row_name(row: dict) -> str:
 
 def render() -> None:
     ledger = results()
-    write_text_atomic(HERE / "README.md", render_page(ledger) + "\n")
-    readme = ROOT / "README.md"
-    text = readme.read_text(encoding="utf-8")
+    write_text_atomic(PAGE, render_page(ledger) + "\n")
+    text = README.read_text(encoding="utf-8")
     if GLANCE_START in text and GLANCE_END in text:
         before, rest = text.split(GLANCE_START, 1)
         _, after = rest.split(GLANCE_END, 1)
-        write_text_atomic(readme, f"{before}{GLANCE_START}\n{glance(ledger)}\n{GLANCE_END}{after}")
+        write_text_atomic(README, f"{before}{GLANCE_START}\n{glance(ledger)}\n{GLANCE_END}{after}")
     print(f"rendered benchmarks/README.md and the README's glance table from {sum(map(len, ledger.values()))} results")
 
 

@@ -50,6 +50,8 @@ def test_the_pages_show_each_kinds_latest_result_and_the_history(tmp_path, monke
 
 def test_record_stores_what_a_command_printed_and_the_page_quotes_its_end(tmp_path, monkeypatch):
     monkeypatch.setattr(ledger, "RESULTS", tmp_path)
+    monkeypatch.setattr(ledger, "PAGE", tmp_path / "page.md")  # a stray render writes here, not to the repository
+    monkeypatch.setattr(ledger, "README", tmp_path / "readme.md")
     monkeypatch.setattr("sys.argv", ["ledger.py", "record", "demo", "--command", "seq2seq demo"])
     monkeypatch.setattr("sys.stdin", io.StringIO("training...\ntest BLEU: checkpoint 96.21\ndone\n"))
     assert ledger.main() == 0
