@@ -60,7 +60,10 @@ def plot_training_curves(run_dir: str | Path) -> list[Path]:
         ax.set_xlabel("step")
         ax.set_title(name)
         ax.grid(alpha=0.3)
-        ax.legend()
+        if ax.lines:
+            ax.legend()
+        else:  # a run shorter than its first log line: say so rather than draw an empty frame
+            ax.text(0.5, 0.5, "nothing logged yet", ha="center", va="center", transform=ax.transAxes)
         fig.tight_layout()
         save_png(fig, out / f"{name}.png")
         plt.close(fig)
