@@ -4,7 +4,7 @@
 `import seq2seq` stays cheap.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"  # the package's version, declared here alone (pyproject.toml reads it); CHANGELOG.md
 
 
 def __getattr__(name: str):

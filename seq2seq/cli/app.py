@@ -35,9 +35,9 @@ RunDirOption = Annotated[
 
 def _version(value: bool) -> None:
     if value:
-        from importlib.metadata import version
+        from seq2seq import __version__
 
-        typer.echo(f"seq2seq {version('seq2seq')}")
+        typer.echo(f"seq2seq {__version__}")
         raise typer.Exit()
 
 
