@@ -18,10 +18,10 @@ from seq2seq.data.encoded import EncodedCorpus
 from seq2seq.data.special_tokens import BOS_ID, EOS_ID, PAD_ID
 
 # The output layer projects the real target positions of a batch, a count that differs in nearly
-# every batch. On CPU, oneDNN compiles and caches a bf16 matmul kernel per shape (about 2 MiB each,
-# up to 1,024 of them): an ever-new count made a long bf16 run's memory grow by ~18 MiB a step until
-# that cache was full. Rounded up to this multiple, the counts repeat (a few dozen per corpus), at
-# a cost of at most 63 padding rows in the output layer.
+# every batch. On CPU, oneDNN compiles and caches a bf16 matmul kernel per shape (up to 1,024 of
+# them): an ever-new count made a long bf16 run's memory grow at every step until that cache was
+# full (docs/performance.md, memory in long runs). Rounded up to this multiple, the counts repeat (a
+# few dozen per corpus), at a cost of at most 63 padding rows in the output layer.
 POSITION_MULTIPLE = 64
 
 

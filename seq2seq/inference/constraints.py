@@ -9,7 +9,7 @@ score, and one slot is reserved for the best candidate of the most advanced bank
 is in it. That reserved slot is what the guarantee needs (the most advanced hypothesis can always
 take its next constraint token, so some hypothesis meets every phrase within their total length,
 and the length limit grows by that much), while the rest of the beam searches as if unconstrained,
-so a phrase lands where the model would put it (the README's Decoding section compares both
+so a phrase lands where the model would put it (benchmark_decoding_features compares both
 allocations). A hypothesis may end (EOS, among the best `beam` candidates as in ordinary search)
 only once it meets every phrase, so every output of a constrained line contains every phrase.
 Candidates are chosen on the host for constrained sentences only: an unconstrained sentence in the

@@ -245,7 +245,7 @@ def _check(deadline: float | None) -> None:
 def _ctranslate2_exponent(decode: DecodeConfig) -> float:
     """CTranslate2's length_penalty for our normalisation. `gnmt` ((5 + length) / 6)^alpha has no
     CTranslate2 form: its beam ranks by length^alpha, and the hypotheses it returns are re-ranked by
-    gnmt, so the two engines may differ there (README, "Exporting")."""
+    gnmt, so the two engines may differ there (docs/commands.md, export)."""
     exponent = {"power": decode.length_penalty, "gnmt": decode.length_penalty, "average": 1.0, "none": 0.0}
     return exponent[decode.length_norm] or NEGLIGIBLE_EXPONENT
 
@@ -270,8 +270,8 @@ def _ranked(found: list[tuple[list[str], float]], decode: DecodeConfig, limit: i
 
 def _threads(device: str) -> dict[str, int]:
     """On CPU, one worker per core, each on one thread: batches are decoded side by side. CTranslate2's
-    default (4 threads in one worker) oversubscribes small machines; on 2 cores, beam 5 with the Bible
-    model: int8 1,443 tokens/s by default, 1,559 with 2 threads, 2,659 with 2 workers of 1 thread."""
+    default (4 threads in one worker) oversubscribes small machines (benchmark_decode compares the
+    settings; its figures are in the ledger)."""
     if device != "cpu":
         return {}
     return {"inter_threads": max(1, len(os.sched_getaffinity(0))), "intra_threads": 1}

@@ -2,7 +2,7 @@
 
 On a GPU an incremental decoder step of a translation model is tiny work spread over ~20 kernels
 per layer: the host spends longer launching them than the GPU spends running them, so search ran
-slower than torch.nn.Transformer recomputing the whole prefix (README, GPU). A CUDA graph records
+slower than torch.nn.Transformer recomputing the whole prefix (docs/performance.md, GPU). A CUDA graph records
 the step's kernels once and replays them with one launch, but it needs every tensor at a fixed
 address and shape. So here the cache has fixed buffers: keys/values for `max_length` positions per
 row, written at the step's position (a device tensor the graph reads) and attended with a mask

@@ -2,7 +2,7 @@
 uniform numbers each line draws with, and the draw itself. search.py's sample_search runs it.
 
 A line's draws come from a generator of its own, keyed by (seed, line number, draw), so its
-samples never depend on the lines batched with it (the README's sampling contract).
+samples never depend on the lines batched with it (docs/commands.md, the sampling contract).
 """
 
 from __future__ import annotations

@@ -38,15 +38,16 @@ class Rows:
       sides; their rows were computed and thrown away. With `tokens`, the flat rows are the token
       positions alone, and attention sees the PAD positions as zero rows: masked as keys (source
       padding mask; a target's PADs trail it, so causal masking hides them), and their queries'
-      outputs are dropped. The matrix products of a step shrink by the PAD share (README,
-      Performance: that share on the Bible config, and the speed it gave). On a GPU every position
+      outputs are dropped. The matrix products of a step shrink by the PAD share (benchmark_train
+      and profile_train in the ledger). On a GPU every position
       is kept: listing the token positions there (nonzero) would make the host wait for the device.
     - oneDNN's kernel cache. oneDNN, which runs PyTorch's bf16 matmuls on CPU, compiles and caches
-      a kernel (0.3-4 MiB) for every new row count of a linear layer, forward and backward. A batch's
-      row count keeps changing, so that cache, and RSS, crept by ~80 MiB per 1,000 steps. A stack
+      a kernel for every new row count of a linear layer, forward and backward. A batch's row count
+      keeps changing, so that cache, and RSS, crept up for the whole run. A stack
       pads its rows once, with at most `multiple` - 1 zero rows, and keeps them; attention reads
       only the first `used` rows, so results and gradients are those of the unpadded model. Padding
-      each linear's input and slicing its output instead cost 5.6% of a step in copies.
+      each linear's input and slicing its output instead cost more of a step in copies
+      (docs/performance.md, memory in long runs).
     """
 
     batch: int
@@ -166,15 +167,15 @@ class DecoderCache:
 
 
 # Every fused attention kernel but cuDNN's. PyTorch picks cuDNN's first on Hopper GPUs in bf16/fp16, and
-# it builds a cuDNN graph for each new (batch, heads, lengths) shape: ~6 ms of host time per call (torch
-# profiler on an H100: 7.0 ms per backward, 6.0 per forward). Token-bucketed batches have a new shape at
-# almost every step, so bf16 training of Transformer-base ran at 36k tokens/s against fp32's 99k (README,
-# GPU). Flash and memory-efficient attention take any shape at no host cost; the math path backs them up.
+# it builds a cuDNN graph for each new (batch, heads, lengths) shape, milliseconds of host time per call.
+# Token-bucketed batches have a new shape at almost every step, so bf16 training of Transformer-base ran
+# slower than fp32 (profile_train on an H100, in the ledger). Flash and memory-efficient attention take
+# any shape at no host cost; the math path backs them up.
 FUSED_ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 # The same kernels, memory-efficient first, for sequences of at most SHORT_ATTENTION positions on a GPU.
 # Flash attention works in tiles of 128 positions, so a ~40-token sentence leaves most of each tile idle;
-# the memory-efficient kernel is faster there, flash past ~100 positions (benchmarks/benchmark_attention.py
-# measures both; its figures are in the README, GPU).
+# the memory-efficient kernel is faster there, flash on longer ones (benchmark_attention measures both by
+# length; the crossover is in the ledger).
 SHORT_ATTENTION = 96
 SHORT_ATTENTION_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
 
@@ -201,13 +202,13 @@ def _cpu_bf16_attention(
 ) -> Tensor:
     """Attention of bf16 q, k, v on a CPU, computed in fp32 and returned in bf16.
 
-    In fp32 because PyTorch's fused CPU kernel is ~3x slower in bf16, and a bf16 batched matmul makes
-    oneDNN compile and keep a kernel (~1.5 MiB) for every (batch, length, length) shape it meets,
-    which change with every batch (README, Performance: memory). Through the fused kernel because
+    In fp32 because PyTorch's fused CPU kernel is slower in bf16, and a bf16 batched matmul makes
+    oneDNN compile and keep a kernel for every (batch, length, length) shape it meets, which change
+    with every batch (docs/performance.md, memory in long runs). Through the fused kernel because
     the explicit softmax(q k^T) v allocates the (B, h, Tq, Tk) scores, probabilities and their
-    gradients, in sizes that change with every batch too, and glibc's heap kept holes of them: on
-    the bible config, 200-step probes of the fused path peaked ~80 MiB lower per window and stepped
-    11% faster than the explicit one (README, Performance: memory). PyTorch's fused CPU kernels have
+    gradients, in sizes that change with every batch too, and glibc's heap kept holes of them: the
+    fused path peaked lower and stepped faster than the explicit one (benchmark_train's memory
+    columns). PyTorch's fused CPU kernels have
     no attention dropout; with it, the explicit path, which uses our cheap dropout mask.
     """
     with torch.autocast(q.device.type, enabled=False):
@@ -224,8 +225,8 @@ def _cpu_bf16_attention(
 def probabilities(q: Tensor, k: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor:
     """softmax(q k^T / sqrt(head_dim)) over keys, (B, h, Tq, Tk), in fp32; masked keys get probability 0.
 
-    Scores rounded to bf16 (8-bit mantissa, ~0.4% relative error) cost the demo 0.6 BLEU on average
-    (README, Performance); fused kernels keep them in fp32 too.
+    Scores rounded to bf16 (8-bit mantissa) cost the demo BLEU on average (compare_precision in the
+    ledger); fused kernels keep them in fp32 too.
     """
     with torch.autocast(q.device.type, enabled=False):
         scores = (q.float() @ k.float().transpose(-2, -1)) * q.size(-1) ** -0.5

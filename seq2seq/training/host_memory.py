@@ -1,15 +1,14 @@
 """Give the memory that training frees back to the operating system (Linux, glibc).
 
-What held it (Bible config, d 256, bf16, 4,000-token batches, 200 steps on CPU; `mallinfo2`):
-glibc's heap had grown to 1,464 MiB, of which 368 MiB were in use and 1,096 MiB were free, in
-7,449 holes between live blocks. Activation tensors change size with every batch; glibc serves
-blocks up to 32 MiB from its heap (its mmap threshold rises to the largest block freed so far),
-and it returns memory to the kernel only from the top of the heap, so the holes stay resident:
-RSS 1.7 GB for a process that uses a third of it. `malloc_trim(0)` releases the whole free pages
-of every hole (RSS 1,706 -> 615 MiB in that probe). Called every HEAP_TRIM_EVERY steps it costs
-re-faulting those pages once per call (every step: 20% slower; every 10: within noise, see the
-README's "Memory in long runs") and bounds the peak, because the holes cannot all be touched again
-between two calls.
+What held it (`mallinfo2` on a bf16 CPU run of the Bible config): glibc's heap had grown to several
+times the memory in use, most of it free, in thousands of holes between live blocks. Activation
+tensors change size with every batch; glibc serves blocks up to 32 MiB from its heap (its mmap
+threshold rises to the largest block freed so far), and it returns memory to the kernel only from
+the top of the heap, so the holes stay resident. `malloc_trim(0)` releases the whole free pages of
+every hole. Called every HEAP_TRIM_EVERY steps it costs re-faulting those pages once per call
+(every step: measurably slower; every 10: within noise; docs/performance.md, memory in long runs,
+and benchmark_train's memory columns) and bounds the peak, because the holes cannot all be touched
+again between two calls.
 """
 
 from __future__ import annotations

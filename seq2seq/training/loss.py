@@ -112,6 +112,6 @@ def _to_dtype(chunk: Tensor, buffer: Tensor) -> Tensor:
 
 def _chunk_rows(device: torch.device, vocab: int, rows: int) -> int:
     """Rows per chunk. A CPU wants chunks that stay in its cache; a GPU wants few, large ones, since
-    every chunk launches about a dozen kernels, host time the GPU waits for (README, GPU)."""
+    every chunk launches about a dozen kernels, host time the GPU waits for (docs/performance.md, GPU)."""
     wanted = CHUNK_ROWS if device.type == "cpu" else GPU_CHUNK_ELEMENTS // vocab
     return max(1, min(wanted, rows))

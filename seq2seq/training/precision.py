@@ -2,7 +2,7 @@
 
 bf16 halves the bytes of every activation and, where the hardware has bf16 arithmetic, doubles the
 matrix rate. Where it has none, PyTorch emulates it, and the emulation is far slower than fp32 (on
-an AVX2-only CPU by two orders of magnitude: README, Performance), so a bf16 config crawled there
+an AVX2-only CPU by two orders of magnitude: docs/performance.md), so a bf16 config crawled there
 without a word. The rule:
 
 * a CUDA GPU: bf16 where the GPU has bf16 arithmetic (compute capability 8.0, Ampere, and newer;

@@ -126,8 +126,8 @@ class PeakRss:
     """The peak RSS since the previous log line, and over the whole process.
 
     On CPU the trainer hands the heap's free pages back every HEAP_TRIM_EVERY steps, so RSS is a
-    sawtooth: a single reading depends on where in that cycle it falls (measured after a release:
-    ~600 MiB; one step later ~1,200; nine steps later up to ~1,600), while the top of each log
+    sawtooth: a single reading depends on where in that cycle it falls (low just after a release,
+    up to several times that before the next), while the top of each log
     window, the memory the run actually needs, shows whether memory grows over a run. The kernel's
     high-water mark sees that top, inside the backward pass too, at no cost per step; resetting it
     at each log line gives every window its own peak. As that also resets what getrusage reports,

@@ -174,7 +174,7 @@ class Trainer:
         if self.dist.is_main and tc.average_last:
             self._average_last_saves()
         # Leave together, once rank 0 has written the last checkpoint: a gloo rank that tore its group
-        # down meanwhile aborted at exit in ~8% of two-rank CPU runs (under 1% with this barrier).
+        # down meanwhile sometimes aborted at exit in two-rank CPU runs (rarely with this barrier).
         dist.barrier()
         log.info("stopped after %d steps: %s", progress.step, stop_reason)
         return TrainResult(dataclasses.replace(progress), self.run_dir.checkpoints / LAST, stop_reason)
