@@ -43,6 +43,7 @@ GLANCE = {
     "benchmark_serve": ("requests/s", "serving one sentence per request (requests/s)"),
     "recipe_study": ("mean", "recipe study, test BLEU (mean over seeds)"),
 }
+GLANCE_CELLS = 4  # figures per glance row
 OUTPUT_TAIL_LINES = 6  # what the page quotes of a result without tables
 KINDS = {"amx_bf16": "CPU with AMX", "avx512_bf16": "CPU with AVX-512-bf16", "avx2": "CPU with AVX2 only"}
 
@@ -181,19 +182,30 @@ def _markdown(table: list[dict]) -> list[str]:
 
 
 def glance(ledger: dict[str, list[dict]]) -> str:
-    """The README's table: per benchmark and machine kind, its quoted column from the latest result."""
-    lines = ["| what | machine | figures (latest) | result |", "|---|---|---|---|"]
+    """The README's tables, one per machine kind: per benchmark, its quoted column from the latest result."""
+    rows: dict[str, list[str]] = {}
     for name, (column, what) in GLANCE.items():
         for kind, result in latest_by_kind(ledger.get(name, [])).items():
             cells = [f"{_row_name(row)}: {row[column]}" for table in result["tables"] for row in table if column in row]
             if cells:
                 link = f"[{result['date']}](benchmarks/README.md#{name})"  # GitHub's anchor keeps the underscore
-                lines.append(f"| {what} | {kind} | {'; '.join(cells[:4])} | {link} |")
-    return "\n".join(lines)
+                rows.setdefault(kind, []).append(f"| {what} | {'; '.join(cells[:GLANCE_CELLS])} | {link} |")
+    return "\n\n".join(
+        "\n".join([f"**{kind}**", "", "| what | latest figures | result |", "|---|---|---|", *lines])
+        for kind, lines in sorted(rows.items())
+    )
 
 
 def _row_name(row: dict) -> str:
-    return next(iter(row.values()))
+    """A row's label: its leading cells that are words, not figures (`beam 5, CTranslate2 int8`), or
+    its first column's name and value where that is a figure (`clients 8`)."""
+    words = []
+    for cell in list(row.values())[:2]:
+        if re.fullmatch(r"[\d.,x%*()\s-]+", cell):
+            break
+        words.append(cell)
+    header, first = next(iter(row.items()))
+    return ", ".join(words) or f"{header} {first}"
 
 
 def render() -> None:
