@@ -6,7 +6,9 @@ batches, times --steps steps after --warmup untimed ones (a compiled model compi
 three times on Transformer-base, README, GPU), then profiles --profile-steps more with
 torch.profiler. A step whose wall time is well over its device busy time is bound by the host
 (Python and kernel launches), one close to it by the device's kernels; the table of ops by device
-time says which. Runs on the GPU when there is one, else on the CPU (no device time there).
+time says which. The op census (op_census.py) adds what does not depend on the machine: dtype
+conversions per step and the bytes moved by ops that are not matrix products. Runs on the GPU when
+there is one, else on the CPU (no device time there).
 
     python benchmarks/profile_train.py --model base --max-tokens 16000 --precision bf16          # on a GPU
     python benchmarks/profile_train.py --model base --max-tokens 16000 --precision bf16 --compile --warmup 60
@@ -22,6 +24,7 @@ from pathlib import Path
 
 import torch
 from benchmark_train import DEVICE, MODELS, prepare, step_flops, synchronize, training_order
+from op_census import take_census
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
@@ -80,6 +83,7 @@ def profile_size(args) -> list[str]:
         synchronize()
     events = trace.key_averages()
     per_step = len(profiled)
+    census = take_census(lambda: [step(batch) for batch in profiled]).per_step(per_step)
     # the device's kernels, summed as torch.profiler's table sums them
     kernels = [e for e in events if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
     busy = sum(e.self_device_time_total for e in kernels) / per_step / 1e3
@@ -91,6 +95,7 @@ def profile_size(args) -> list[str]:
     print(f"{title}:")
     print(f"  {wall * 1e3:.1f} ms/step, {tokens / len(timed) / wall:,.0f} target tokens/s, "
           f"{flops / len(timed) / wall / 1e12:.1f} model TFLOP/s")  # fmt: skip
+    print("  per step, whatever the machine (op census): " + ", ".join(f"{v:,.1f} {k}" for k, v in census.items()))
     if DEVICE.type == "cuda":
         print(f"  device busy {busy:.1f} ms/step ({busy / (wall * 1e3):.0%} of the wall time), "
               f"{launches:,.0f} kernel launches/step (profiled steps)")  # fmt: skip
@@ -99,7 +104,8 @@ def profile_size(args) -> list[str]:
             print(f"    {kind:<22} {ms:6.2f} ms {ms / busy:5.0%} {count:7,.0f}")
     return [f"{args.max_tokens:,}", f"{wall * 1e3:.1f}", f"{tokens / len(timed) / wall:,.0f}",
             f"{flops / len(timed) / wall / 1e12:.1f}", f"{busy:.1f}" if DEVICE.type == "cuda" else "-",
-            f"{launches:,.0f}" if DEVICE.type == "cuda" else "-"]  # fmt: skip
+            f"{launches:,.0f}" if DEVICE.type == "cuda" else "-", f"{census['dtype conversions']:,.0f}",
+            f"{census['other MB moved']:,.0f}"]  # fmt: skip
 
 
 def kernel_kinds(kernels, per_step: int) -> dict[str, tuple[float, float]]:
@@ -136,8 +142,11 @@ def main() -> int:
         for max_tokens in sizes:
             args.max_tokens = max_tokens
             summary.append(profile_size(args))
-    print("\n| tokens/batch | ms/step | target tokens/s | model TFLOP/s | device busy ms/step | launches/step |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "\n| tokens/batch | ms/step | target tokens/s | model TFLOP/s | device busy ms/step | launches/step "
+        "| dtype conversions/step | MB moved by other ops/step |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for row in summary:
         print("| " + " | ".join(row) + " |")
     return 0

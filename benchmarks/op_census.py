@@ -1,0 +1,95 @@
+"""What a training step asks of the machine, counted op by op: a measure that does not depend on it.
+
+Time says how fast a step is on one machine; on an AVX2-only CPU, where bf16 is emulated, time says
+little about a bf16 step on hardware that runs it natively. The census runs one step under a
+TorchDispatchMode, which sees every ATen op the forward and backward passes dispatch, and counts:
+- dtype conversions (a copy whose output has another floating dtype than its input) and their bytes;
+- matrix products (mm, addmm, bmm, baddbmm, ...) and their FLOPs;
+- the bytes every other op reads and writes (its tensor inputs and outputs): the memory traffic of
+  what is not a matrix product, which is the step's work when matrix products are nearly free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+MATMULS = {"mm", "addmm", "bmm", "baddbmm", "_addmm_activation"}
+ATTENTION = ("scaled_dot_product", "flash_attention", "efficient_attention", "_fused_sdp")
+CONVERSIONS = {"_to_copy", "copy_", "to", "_autocast_to_reduced_precision", "_autocast_to_full_precision"}
+VIEWS = {"view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "slice", "select", "unsqueeze",
+         "squeeze", "as_strided", "detach", "alias", "split", "split_with_sizes", "unbind", "narrow",
+         "_reshape_alias"}  # fmt: skip
+
+
+@dataclasses.dataclass
+class Census:
+    conversions: int = 0
+    conversion_bytes: int = 0
+    matmuls: int = 0
+    matmul_flops: int = 0
+    attention_calls: int = 0
+    other_ops: int = 0
+    other_bytes: int = 0
+    by_op: Counter = dataclasses.field(default_factory=Counter)  # bytes moved by op name (not matmuls)
+    conversions_by_op: Counter = dataclasses.field(default_factory=Counter)
+
+    def per_step(self, steps: int) -> dict[str, float]:
+        return {"dtype conversions": self.conversions / steps, "conversion MB": self.conversion_bytes / steps / 1e6,
+                "matmuls": self.matmuls / steps, "matmul GFLOP": self.matmul_flops / steps / 1e9,
+                "other ops": self.other_ops / steps, "other MB moved": self.other_bytes / steps / 1e6}  # fmt: skip
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    return [leaf for leaf in tree_flatten(tree)[0] if isinstance(leaf, torch.Tensor)]
+
+
+def _bytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class _Counting(TorchDispatchMode):
+    def __init__(self, census: Census) -> None:
+        super().__init__()
+        self.census = census
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        inputs, outputs = _tensors((args, kwargs)), _tensors(out)
+        census = self.census
+        if name in VIEWS:
+            return out
+        if name in CONVERSIONS and inputs and outputs:
+            source = inputs[-1] if name == "copy_" else inputs[0]
+            if source.dtype != outputs[0].dtype and source.is_floating_point() and outputs[0].is_floating_point():
+                census.conversions += 1
+                census.conversion_bytes += _bytes([source, outputs[0]])
+                census.conversions_by_op[name] += 1
+                return out
+        if name in MATMULS:
+            census.matmuls += 1
+            a, b = (inputs[-2], inputs[-1])
+            census.matmul_flops += 2 * a.numel() * b.shape[-1]
+            return out
+        if any(word in name for word in ATTENTION):
+            census.attention_calls += 1
+        census.other_ops += 1
+        moved = _bytes(inputs) + _bytes(outputs)
+        census.other_bytes += moved
+        census.by_op[name] += moved
+        return out
+
+
+def take_census(step: Callable[[], None], steps: int = 1) -> Census:
+    """Run `step` `steps` times under the counting mode and return what it dispatched."""
+    census = Census()
+    with _Counting(census):
+        for _ in range(steps):
+            step()
+    return census

@@ -1,0 +1,28 @@
+"""The op census counts what a step dispatches: conversions where autocast casts, matrix products
+with their FLOPs, and the bytes of everything else."""
+
+from __future__ import annotations
+
+import torch
+
+from benchmarks.op_census import take_census
+
+
+def linear_step(layer: torch.nn.Linear, x: torch.Tensor, dtype: torch.dtype | None):
+    def step():
+        with torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None):
+            loss = layer(x).float().sum()
+        loss.backward()
+
+    return step
+
+
+def test_conversions_appear_under_autocast_and_not_in_fp32():
+    layer, x = torch.nn.Linear(64, 32), torch.randn(16, 64)
+    fp32 = take_census(linear_step(layer, x, None))
+    bf16 = take_census(linear_step(layer, x, torch.bfloat16))
+    assert fp32.conversions == 0
+    # forward: x, weight, bias and the output cast; backward: the weight's and the bias's gradients
+    assert bf16.conversions >= 5
+    assert fp32.matmuls == bf16.matmuls == 2  # the forward product and the weight's gradient
+    assert fp32.matmul_flops == 2 * (2 * 16 * 64 * 32)
