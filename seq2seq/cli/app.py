@@ -35,9 +35,11 @@ RunDirOption = Annotated[
 
 def _version(value: bool) -> None:
     if value:
-        from seq2seq import __version__
+        from importlib.metadata import (
+            version,
+        )  # the installed package's, which pyproject reads from seq2seq.__version__
 
-        typer.echo(f"seq2seq {__version__}")
+        typer.echo(f"seq2seq {version('seq2seq')}")
         raise typer.Exit()
 
 
