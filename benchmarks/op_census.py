@@ -65,6 +65,14 @@ class _Counting(TorchDispatchMode):
         census = self.census
         if name in VIEWS:
             return out
+        if name == "_foreach_copy_":  # one op, but a conversion of every pair whose dtype differs
+            targets, sources = args[0], args[1]
+            changed = [(t, s) for t, s in zip(targets, sources) if t.dtype != s.dtype]
+            census.conversions += len(changed)
+            census.conversion_bytes += sum(_bytes([t, s]) for t, s in changed)
+            census.conversions_by_op[name] += len(changed)
+            if changed:
+                return out
         if name in CONVERSIONS and inputs and outputs:
             source = inputs[-1] if name == "copy_" else inputs[0]
             if source.dtype != outputs[0].dtype and source.is_floating_point() and outputs[0].is_floating_point():
