@@ -16,11 +16,13 @@ sides return the heap's free pages to the kernel every 10 steps, as the trainer 
 (seq2seq/training/host_memory.py), so memory now is a sawtooth and the window's top, read from the kernel's
 high-water mark, is what shows growth). It prints the records and how much the window peak grew after the first tenth of
 the run, and --plot writes them as a PNG. The side "ours bf16 untrimmed" leaves the heap release
-out, to measure what it costs and saves.
+out, to measure what it costs and saves; "ours bf16 autocast" trains without the bf16 working copy
+(seq2seq/training/working_copy.py), casting each weight at each use, to measure what that saves.
 
     python benchmarks/benchmark_train.py [--config configs/bible_en_es.yaml] [--steps 20]
     python benchmarks/benchmark_train.py --steps 2000 --plot memory.png   # a long run
     python benchmarks/benchmark_train.py --steps 600 --sides "ours bf16" "ours bf16 untrimmed"  # the heap release
+    python benchmarks/benchmark_train.py --steps 200 --sides "reference fp32" "ours bf16 autocast" "ours bf16"
     python benchmarks/benchmark_train.py --model base --max-tokens 16000 --sides "ours bf16"   # on a GPU
 """
 
@@ -54,6 +56,7 @@ from seq2seq.training.host_memory import HEAP_TRIM_EVERY, release_free_heap
 from seq2seq.training.precision import cpu_has_native_bf16
 from seq2seq.training.run_log import PeakRss, current_rss_mb, peak_memory_mb
 from seq2seq.training.train_step import build_optimizer, build_scaler, compile_for_training, train_step
+from seq2seq.training.working_copy import working_copy_for
 
 COMMON = ["model.norm=post", "model.dropout=0.1", "model.share_embeddings=true"]
 MODELS = {  # the issue's CPU model, and Transformer-base of "Attention Is All You Need"
@@ -63,7 +66,7 @@ MODELS = {  # the issue's CPU model, and Transformer-base of "Attention Is All Y
              "model.decoder_layers=6", *COMMON],
 }  # fmt: skip
 # untrimmed: without host_memory; fp16 (loss-scaled) is meant for CUDA: our trainer refuses it on a CPU
-SIDES = ("reference fp32", "ours fp32", "ours bf16", "ours bf16 untrimmed", "ours fp16")
+SIDES = ("reference fp32", "ours fp32", "ours bf16", "ours bf16 untrimmed", "ours bf16 autocast", "ours fp16")
 TARGET_SPEEDUP = {"fp32": 1.8, "bf16": 2.2, "fp16": 2.2}  # over the reference, equal windows (issue "Start here")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -227,12 +230,15 @@ def run_side(args, side: str, queue) -> None:
     if side.startswith("ours"):
         torch.manual_seed(config.train.seed)
         model = build_model(cfg, tokenizer).to(DEVICE)
-        forward = compile_for_training(model) if args.compile else model
+        autocast_only = side.endswith("autocast")  # the bf16 path before working copies, for comparison
+        working = None if autocast_only else working_copy_for(model, config.train.precision)
+        trained = model if working is None else working.model
+        forward = compile_for_training(trained) if args.compile else trained
         optimizer, scaler = build_optimizer(model, config.train), build_scaler(DEVICE, config.train.precision)
 
         def our_step(batch):
             train_step(model, optimizer, scaler, [batch], update_tokens=batch.num_tokens, lr=1e-4,
-                       config=config.train, forward=forward)  # fmt: skip
+                       config=config.train, forward=forward, working=working)  # fmt: skip
 
         release_heap = DEVICE.type == "cpu" and not side.endswith("untrimmed")
         timing = timed_steps(args, steps, our_step, corpus, flops_of, release_heap=release_heap)

@@ -12,6 +12,7 @@ there is one, else on the CPU (no device time there).
 
     python benchmarks/profile_train.py --model base --max-tokens 16000 --precision bf16          # on a GPU
     python benchmarks/profile_train.py --model base --max-tokens 16000 --precision bf16 --compile --warmup 60
+    python benchmarks/profile_train.py --precision bf16 --autocast   # bf16 without the working copy (working_copy.py)
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from torch.profiler import ProfilerActivity, profile
 from seq2seq.data.batching import make_batch
 from seq2seq.model.transformer import build_model
 from seq2seq.training.train_step import build_optimizer, build_scaler, compile_for_training, train_step
+from seq2seq.training.working_copy import working_copy_for
 
 LAUNCH_CALLS = {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx"}
 # What a kernel does, read off its name (first match wins): the device time of a step by kind of work.
@@ -56,12 +58,14 @@ def profile_size(args) -> list[str]:
     batches = [make_batch(corpus, indices) for indices in training_order(corpus, args.max_tokens, total)]
     torch.manual_seed(config.train.seed)
     model = build_model(config.model, tokenizer).to(DEVICE)
-    forward = compile_for_training(model) if args.compile else model
+    working = None if args.autocast else working_copy_for(model, args.precision)
+    trained = model if working is None else working.model
+    forward = compile_for_training(trained) if args.compile else trained
     optimizer, scaler = build_optimizer(model, config.train), build_scaler(DEVICE, args.precision)
 
     def step(batch) -> None:
         train_step(model, optimizer, scaler, [batch], update_tokens=batch.num_tokens, lr=1e-4,
-                   config=config.train, forward=forward)  # fmt: skip
+                   config=config.train, forward=forward, working=working)  # fmt: skip
 
     warmup, timed, profiled = (batches[: args.warmup], batches[args.warmup : -args.profile_steps],
                                batches[-args.profile_steps :])  # fmt: skip
@@ -127,6 +131,7 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, nargs="+", default=[4000], help="one or more batch sizes")
     parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="bf16")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model, as train.compile does")
+    parser.add_argument("--autocast", action="store_true", help="bf16 by autocast alone, without the working copy")
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--profile-steps", type=int, default=5)

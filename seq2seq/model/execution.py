@@ -21,9 +21,11 @@ from seq2seq.model.dropout import dropout
 ROW_MULTIPLE = 64
 
 
-def row_multiple(device: torch.device) -> int:
-    """The multiple that a stack pads its rows to: ROW_MULTIPLE for bf16 on CPU (see Rows), else 1."""
-    return ROW_MULTIPLE if device.type == "cpu" and torch.is_autocast_enabled("cpu") else 1
+def row_multiple(device: torch.device, dtype: torch.dtype) -> int:
+    """The multiple that a stack of `dtype` weights pads its rows to: ROW_MULTIPLE for bf16 on CPU
+    (bf16 weights, or autocast to bf16; see Rows), else 1."""
+    bf16 = dtype == torch.bfloat16 or torch.is_autocast_enabled("cpu")
+    return ROW_MULTIPLE if device.type == "cpu" and bf16 else 1
 
 
 @dataclass(frozen=True)

@@ -78,7 +78,8 @@ class Seq2SeqTransformer(nn.Module):
 
     def encode(self, src: Tensor, src_mask: Tensor) -> Tensor:
         """src (B, S) ids, src_mask (B, 1, 1, S) -> memory (B, S, d); zeros where src_mask is False."""
-        rows = Rows.of(src_mask[:, 0, 0], row_multiple(src.device))  # execution.Rows: why the stack runs on flat rows
+        multiple = row_multiple(src.device, self.src_embed.weight.dtype)
+        rows = Rows.of(src_mask[:, 0, 0], multiple)  # execution.Rows: why the stack runs on flat rows
         x = rows.flatten(self.embed(self.src_embed, src, 0))
         for layer in self.encoder_layers:
             if not self._skipped(self.config.encoder_layerdrop):
@@ -101,7 +102,7 @@ class Seq2SeqTransformer(nn.Module):
         """The embedded target as flat rows, and the memory as the decoder layers read it.
 
         A cached decoder computes every position, PAD included: its cache's rows line up with the batch's."""
-        multiple = row_multiple(tgt.device)
+        multiple = row_multiple(tgt.device, self.tgt_embed.weight.dtype)
         rows = Rows.of(tgt != PAD_ID, multiple) if cache is None else Rows(*tgt.shape, multiple)
         start = 0 if cache is None else cache.length
         x = self.embed(self.tgt_embed, tgt, start, self.config.target_word_dropout)

@@ -1,9 +1,9 @@
 """One optimizer update, as a function of its inputs: the mixed-precision train step, written once.
 
-In the canonical order: autocast forward -> scaled backward -> unscale -> clip -> step -> update ->
-zero_grad. Nothing here reads a tensor's value into Python, so on a GPU a step never waits for the
-device (a host sync); what the step measured comes back as device tensors, read when the trainer
-logs. The optimizer and loss scaler that the step needs are built here too.
+In the canonical order: autocast forward (or a bf16 working copy's) -> scaled backward -> unscale ->
+clip -> step -> update -> zero_grad. Nothing here reads a tensor's value into Python, so on a GPU a
+step never waits for the device (a host sync); what the step measured comes back as device tensors,
+read when the trainer logs. The optimizer and loss scaler that the step needs are built here too.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from seq2seq.config import TrainConfig
 from seq2seq.data.batching import Batch
 from seq2seq.errors import UserInputError
 from seq2seq.training.loss import output_layer_loss
+from seq2seq.training.working_copy import WorkingCopy
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -79,30 +80,38 @@ def train_step(
     config: TrainConfig,
     forward: Callable[..., Tensor] | None = None,
     ddp: DistributedDataParallel | None = None,
+    working: WorkingCopy | None = None,
 ) -> StepResult:
     """One update of `model` over this rank's `batches` (accumulated), at learning rate `lr`.
 
     The loss is normalised by `update_tokens`, the target tokens of the whole update on all ranks,
     so any split over ranks and accumulation steps gives the same gradient. `forward` is the model
     as wrapped for training (DDP, torch.compile; default: `model`); under DDP, pass the wrapper as
-    `ddp` too, so that inner accumulation steps skip its gradient all-reduce.
+    `ddp` too, so that inner accumulation steps skip its gradient all-reduce. With a `working` copy
+    (bf16 weights, working_copy.py), the passes run on it outside autocast (`forward` and `ddp` wrap
+    it), its gradients go to `model`'s fp32 weights for the update, and it is refreshed after it.
     """
+    runs = model if working is None else working.model
     if forward is None:  # not `or`: a compiled module has no truth value
-        forward = model if ddp is None else ddp
+        forward = runs if ddp is None else ddp
     world_size = torch.distributed.get_world_size() if ddp is not None else 1
     device = next(model.parameters()).device
     loss_sum = torch.zeros((), device=device)
     model.train()
+    runs.train()
+    precision = config.precision if working is None else "fp32"  # a working copy is bf16 through and through
     for index, batch in enumerate(batches):
         batch = batch.to(device)
         last = index == len(batches) - 1
         sync = contextlib.nullcontext() if ddp is None or last else ddp.no_sync()
         with sync:
-            with autocast(device, config.precision):
+            with autocast(device, precision):
                 rows = forward(batch.src, batch.tgt_in, batch.target_positions, output_layer=False)
-                loss = output_layer_loss(rows, model.output_proj.weight, batch.targets, config.label_smoothing)
+                loss = output_layer_loss(rows, runs.output_proj.weight, batch.targets, config.label_smoothing)
             scaler.scale(loss * (world_size / update_tokens)).backward()  # DDP averages over ranks
         loss_sum += loss.detach()
+    if working is not None:
+        working.hand_over()
     for group in optimizer.param_groups:
         group["lr"] = lr
     scaler.unscale_(optimizer)
@@ -111,6 +120,8 @@ def train_step(
     skipped = ~torch.isfinite(grad_norm)  # any inf/NaN gradient makes the norm non-finite
     step_unless_skipped(optimizer, scaler, skipped)
     optimizer.zero_grad(set_to_none=True)
+    if working is not None:
+        working.refresh()
     return StepResult(loss_sum, skipped, grad_norm)
 
 

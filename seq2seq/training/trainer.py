@@ -52,6 +52,7 @@ from seq2seq.training.train_step import (
 )
 from seq2seq.training.validation import ValidationResult, average_last_saves, report_validation, validate
 from seq2seq.training.weight_average import ExponentialAverage
+from seq2seq.training.working_copy import working_copy_for
 
 log = logging.getLogger(__name__)
 
@@ -115,8 +116,12 @@ class Trainer:
         layerdrop = bool(
             config.model.encoder_layerdrop or config.model.decoder_layerdrop
         )  # skipped layers get no grads
-        self.ddp = DistributedDataParallel(self.model, find_unused_parameters=layerdrop) if self.dist.enabled else None
-        wrapped = self.ddp or self.model
+        # bf16 trains a working copy of the weights, cast once per update (working_copy.py); the model
+        # keeps the fp32 master weights that the optimizer updates, checkpoints hold and validation runs
+        self.working = working_copy_for(self.model, tc.precision)
+        trained = self.model if self.working is None else self.working.model
+        self.ddp = DistributedDataParallel(trained, find_unused_parameters=layerdrop) if self.dist.enabled else None
+        wrapped = self.ddp or trained
         self.forward = compile_for_training(wrapped) if tc.compile else wrapped
         self.optimizer = build_optimizer(self.model, tc)
         self.scaler = build_scaler(self.device, tc.precision)
@@ -220,6 +225,7 @@ class Trainer:
             config=tc,
             forward=self.forward,
             ddp=self.ddp,
+            working=self.working,
         )
         self.skipped.record(step.skipped)
         if self.ema is not None:
@@ -368,6 +374,8 @@ class Trainer:
 
     def _restore(self, checkpoint: Checkpoint, path: Path) -> None:
         self.model.load_state_dict(checkpoint.model)
+        if self.working is not None:
+            self.working.refresh()
         self.optimizer.load_state_dict(checkpoint.optimizer)
         self.scaler.load_state_dict(checkpoint.scaler)
         self.progress = checkpoint.progress  # its clock is rank 0's, the same for every rank

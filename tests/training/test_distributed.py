@@ -47,11 +47,14 @@ def config(tmp_path, tiny_data) -> Path:
     return path
 
 
-@pytest.mark.parametrize("untied", [False, True], ids=["tied", "untied-output-layer"])
-def test_two_ranks_equal_one_process_with_the_same_global_batch(tmp_path, config, untied):
+@pytest.mark.parametrize(("untied", "precision"), [(False, "fp32"), (True, "fp32"), (False, "bf16")],
+                         ids=["tied", "untied-output-layer", "bf16-working-copy"])  # fmt: skip
+def test_two_ranks_equal_one_process_with_the_same_global_batch(tmp_path, config, untied, precision):
     """Untied, the output layer's weight is used outside DDP's forward, by the fused loss: its
-    gradient must still be averaged over the ranks."""
+    gradient must still be averaged over the ranks. In bf16, DDP wraps the working copy
+    (training/working_copy.py), whose gradients it averages before they are handed to the masters."""
     untie = ["--set", "model.share_embeddings=false", "--set", "model.tie_output=false"] if untied else []
+    untie += ["--set", f"train.precision={precision}"]
     train(config, tmp_path / "ddp", "--nproc", "2", *untie)
     train(config, tmp_path / "single", "--set", "train.accum_steps=2", *untie)
     ddp, single = final_parameters(tmp_path / "ddp"), final_parameters(tmp_path / "single")

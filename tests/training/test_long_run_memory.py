@@ -112,7 +112,7 @@ def test_a_block_of_row_counts_compiles_one_set_of_kernels(multiple, compiles, m
     Padded, a block of row counts shares one kernel set; unpadded, the same batches create kernels,
     which shows that the count sees what it is meant to catch.
     """
-    monkeypatch.setattr("seq2seq.model.transformer.row_multiple", lambda device: multiple)
+    monkeypatch.setattr("seq2seq.model.transformer.row_multiple", lambda device, dtype: multiple)
     torch.manual_seed(0)
     model = build_model(MODEL, _Vocabulary())
     shapes = list(_shapes_of_one_row_block())
@@ -136,7 +136,7 @@ def test_padded_rows_change_no_output_and_no_gradient(beams, monkeypatch):
     tgt = torch.randint(4, 100, (3 * beams, 6))
 
     def run(multiple: int) -> tuple[torch.Tensor, ...]:
-        monkeypatch.setattr("seq2seq.model.transformer.row_multiple", lambda device: multiple)
+        monkeypatch.setattr("seq2seq.model.transformer.row_multiple", lambda device, dtype: multiple)
         model.zero_grad()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             src_mask = padding_mask(src)

@@ -111,7 +111,7 @@ def test_fp16_without_cuda_is_a_clear_error(tmp_path, tiny_data):
         make_trainer(tmp_path, tiny_data, precision="fp16")
 
 
-def test_bf16_autocast_trains_on_cpu(tmp_path, tiny_data):
+def test_bf16_trains_on_cpu(tmp_path, tiny_data):
     trainer = make_trainer(tmp_path, tiny_data, precision="bf16", max_steps=10, log_every=5, valid_every=100)
     trainer.run()
     losses = [r["loss"] for r in trainer.metrics.read() if r["kind"] == "train"]

@@ -1,0 +1,88 @@
+"""bf16 training with its casts paid once per update: a bf16 working copy of the model.
+
+Under autocast, every weight is cast to bf16 at each use in the forward pass, its gradient cast
+back in the backward pass, and every LayerNorm, residual sum and attention input crosses between
+fp32 and bf16: hundreds of conversions a step (benchmarks/profile_train.py counts them), which cost
+little where matrix products are slow and most of the step where they are nearly free (AMX, GPUs).
+
+Here the model that trains (the optimizer's, the checkpoint's, validation's) keeps its fp32
+weights, the master copy. The forward and backward passes run on a bf16 copy of it, made once after
+each optimizer step (`refresh`); its gradients are handed to the master in one pass (`hand_over`),
+where clipping and the optimizer work in fp32 as before. In between, activations stay in bf16:
+the residual stream, attention's inputs, LayerNorm's inputs and outputs (PyTorch computes
+LayerNorm's statistics in fp32 for bf16 input), the output layer's rows (the loss computes its
+softmax in fp32, training/loss.py). The model's own code is unchanged; it runs in whatever dtype
+its weights have.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+
+class WorkingCopy:
+    """`model`'s weights in `dtype` for the forward and backward passes; `model` keeps the fp32 master.
+
+    Both sets of weights live in one flat buffer each (the parameters are views of it), and so do
+    the gradients handed over, so that each cast is one conversion of every weight at once rather
+    than one per tensor."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> None:
+        self.model = copy.deepcopy(model).to(dtype)
+        masters = list(dict(model.named_parameters()).values())  # a tied weight once, in the same order
+        working = list(dict(self.model.named_parameters()).values())
+        self._pairs = list(zip(masters, working))
+        self._masters = _flatten(masters)
+        self._weights = _flatten(working)
+        self._grads = torch.zeros_like(self._weights)  # the working gradients, gathered
+        self._master_grads = torch.zeros_like(self._masters)
+        self._grad_views = _views(self._grads, working)
+        self._master_grad_views = _views(self._master_grads, masters)
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Copy the master weights into the working copy: after each optimizer step, and after a
+        checkpoint is loaded into the master."""
+        self._weights.copy_(self._masters)
+
+    @torch.no_grad()
+    def hand_over(self) -> None:
+        """Move the working copy's gradients to the master weights (cast to fp32), and clear them.
+        A weight that got no gradient this update (a layer LayerDrop skipped) gets none."""
+        given = [index for index, (_, working) in enumerate(self._pairs) if working.grad is not None]
+        if not given:
+            return
+        torch._foreach_copy_([self._grad_views[i] for i in given], [self._pairs[i][1].grad for i in given])
+        self._master_grads.copy_(self._grads)  # the one conversion
+        for index in given:
+            self._pairs[index][0].grad = self._master_grad_views[index]
+        for _, working in self._pairs:
+            working.grad = None
+
+
+def _flatten(parameters: list[nn.Parameter]) -> torch.Tensor:
+    """One buffer holding `parameters`' values, each parameter made a view of its part of it."""
+    first = parameters[0]
+    flat = torch.empty(sum(p.numel() for p in parameters), dtype=first.dtype, device=first.device)
+    for parameter, view in zip(parameters, _views(flat, parameters)):
+        view.copy_(parameter.detach())
+        parameter.data = view
+    return flat
+
+
+def _views(flat: torch.Tensor, shaped_like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`flat` cut into consecutive views shaped like `shaped_like`."""
+    views, offset = [], 0
+    for tensor in shaped_like:
+        views.append(flat[offset : offset + tensor.numel()].view_as(tensor))
+        offset += tensor.numel()
+    return views
+
+
+def working_copy_for(model: nn.Module, precision: str) -> WorkingCopy | None:
+    """The working copy that training at `precision` runs on: one for bf16, none for fp32 (nothing
+    to cast) or fp16 (autocast, whose loss scaler needs fp32 gradients to unscale)."""
+    return WorkingCopy(model) if precision == "bf16" else None

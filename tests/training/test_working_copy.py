@@ -1,0 +1,110 @@
+"""bf16 training on a working copy (training/working_copy.py): its update follows the fp32 gradient,
+the master weights stay fp32 and the copy is their rounding after every update, a weight that got no
+gradient is left alone, and a resumed bf16 run is the uninterrupted one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from seq2seq.checkpoint import Checkpoint
+from seq2seq.config import ModelConfig, TokenizerConfig, TrainConfig
+from seq2seq.data.batching import epoch_batches, make_batch
+from seq2seq.data.encoded import encode_pairs
+from seq2seq.data.tokenizer import train_tokenizer
+from seq2seq.model.transformer import build_model
+from seq2seq.training.train_step import build_scaler, train_step
+from seq2seq.training.working_copy import working_copy_for
+from tests.conftest import make_trainer
+
+MODEL = ModelConfig(d_model=64, heads=4, encoder_layers=2, decoder_layers=2, ffn_dim=128, dropout=0.0)
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def tokenizer_and_batch(demo_pairs):
+    tokenizer = train_tokenizer(TokenizerConfig(vocab_size=300), demo_pairs["train"])
+    corpus = encode_pairs(tokenizer, demo_pairs["train"][:300])
+    return tokenizer, make_batch(corpus, epoch_batches(corpus, max_tokens=1024, seed=1, epoch=1)[0])
+
+
+def one_update(model, batch, precision: str, *, model_config: ModelConfig = MODEL, weight_decay: float = 0.0):
+    """The weights after one plain-SGD update of `model` at `precision`, and its working copy (if any)."""
+    working = working_copy_for(model, precision)
+    config = TrainConfig(precision=precision, clip_norm=0.0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0, weight_decay=weight_decay, fused=True)
+    train_step(model, optimizer, build_scaler(CPU, precision), [batch], update_tokens=batch.num_tokens, lr=1.0,
+               config=config, forward=None if working is None else working.model, working=working)  # fmt: skip
+    return working
+
+
+def test_a_working_copy_update_follows_the_fp32_gradient(tokenizer_and_batch):
+    tokenizer, batch = tokenizer_and_batch
+    torch.manual_seed(0)
+    start = build_model(MODEL, tokenizer).state_dict()
+    updates = {}
+    for precision in ("fp32", "bf16"):
+        model = build_model(MODEL, tokenizer)
+        model.load_state_dict(start)
+        one_update(model, batch, precision)
+        updates[precision] = {name: value - start[name] for name, value in model.state_dict().items()}
+    exact, ours = (torch.cat([update.flatten() for update in updates[p].values()]) for p in ("fp32", "bf16"))
+    norm = torch.linalg.vector_norm
+    # bf16 activations and weights: a few percent off the fp32 gradient, in the same direction
+    assert norm(ours - exact) <= 0.05 * norm(exact)
+    for name, update in updates["fp32"].items():
+        if norm(update) > 1e-3 * norm(exact):  # not a weight whose gradient is zero but for float noise (k_proj.bias)
+            assert norm(updates["bf16"][name] - update) <= 0.1 * norm(update), name
+
+
+def test_the_masters_stay_fp32_and_the_copy_is_their_rounding_after_each_update(tokenizer_and_batch):
+    tokenizer, batch = tokenizer_and_batch
+    model = build_model(MODEL, tokenizer)
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    working = one_update(model, batch, "bf16")
+    masters, copies = dict(model.named_parameters()), dict(working.model.named_parameters())
+    assert masters.keys() == copies.keys()
+    for name, master in masters.items():
+        assert master.dtype == torch.float32 and copies[name].dtype == torch.bfloat16
+        assert torch.equal(copies[name], master.detach().bfloat16()), name
+    assert not torch.equal(before["output_proj.weight"], model.output_proj.weight)  # the update moved the masters
+    assert all(copy.grad is None for copy in copies.values())  # handed over, nothing left to leak into the next
+
+
+def test_a_weight_that_gets_no_gradient_is_left_alone(tokenizer_and_batch):
+    """LayerDrop skips a layer: its weights get no gradient, so not even weight decay moves them."""
+    tokenizer, batch = tokenizer_and_batch
+    skipping = ModelConfig(**{**MODEL.__dict__, "encoder_layerdrop": 1.0})
+    model = build_model(skipping, tokenizer)
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    one_update(model, batch, "bf16", weight_decay=0.1)
+    after = model.state_dict()
+    encoder = [name for name in before if name.startswith("encoder_layers.")]
+    assert encoder and all(torch.equal(before[name], after[name]) for name in encoder)
+    assert not torch.equal(before["decoder_layers.0.ffn.fc1.weight"], after["decoder_layers.0.ffn.fc1.weight"])
+
+
+def test_a_resumed_bf16_run_is_the_uninterrupted_one(tmp_path, tiny_data):
+    settings = dict(precision="bf16", max_steps=6, save_every=3, valid_every=100, log_every=3)
+    straight = make_trainer(tmp_path, tiny_data, "straight", **settings)
+    straight.run()
+    stopped = make_trainer(tmp_path, tiny_data, "stopped", **settings)
+    update = stopped._update
+
+    def stop_after_the_checkpoint(*args, **kwargs):
+        if stopped.progress.step == 4:
+            raise RuntimeError("stopped")  # the run dies mid-way, its last checkpoint at step 3
+        return update(*args, **kwargs)
+
+    stopped._update = stop_after_the_checkpoint
+    with pytest.raises(RuntimeError, match="stopped"):
+        stopped.run()
+    from seq2seq.training.trainer import Trainer
+
+    resumed = Trainer(stopped.config, tmp_path / "stopped", resume=True, show_progress=False)
+    resumed.run()
+    ours = Checkpoint.load(tmp_path / "stopped" / "checkpoints" / "last.pt")
+    theirs = Checkpoint.load(tmp_path / "straight" / "checkpoints" / "last.pt")
+    assert ours.progress.step == theirs.progress.step == 6
+    for name, tensor in theirs.model.items():
+        assert tensor.dtype == torch.float32 and torch.equal(ours.model[name], tensor), name
