@@ -113,11 +113,8 @@ class Trainer:
         self.model = build_model(config.model, self.tokenizer).to(self.device)
         if self.dist.enabled:  # same initial weights everywhere (DDP also broadcasts them); own dropout streams
             torch.manual_seed(tc.seed + 7919 * self.dist.rank)
-        layerdrop = bool(
-            config.model.encoder_layerdrop or config.model.decoder_layerdrop
-        )  # skipped layers get no grads
-        # bf16 trains a working copy of the weights, cast once per update (working_copy.py); the model
-        # keeps the fp32 master weights that the optimizer updates, checkpoints hold and validation runs
+        layerdrop = bool(config.model.encoder_layerdrop or config.model.decoder_layerdrop)  # skipped: no grads
+        # bf16 trains a working copy (working_copy.py); the model keeps the fp32 master weights
         self.working = working_copy_for(self.model, tc.precision)
         trained = self.model if self.working is None else self.working.model
         self.ddp = DistributedDataParallel(trained, find_unused_parameters=layerdrop) if self.dist.enabled else None
