@@ -39,7 +39,7 @@ GLANCE_START, GLANCE_END = "<!-- ledger: glance -->", "<!-- /ledger: glance -->"
 # of each machine kind, and how many rows.
 GLANCE = {
     "benchmark_train": ("target tokens/s", "training throughput, the Bible model (target tokens/s)"),
-    "benchmark_decode": ("sentences/s", "decoding the Bible test set (sentences/s)"),
+    "benchmark_decode": ("sentences/s", "decoding a test set (sentences/s)"),
     "benchmark_serve": ("requests/s", "serving one sentence per request (requests/s)"),
     "recipe_study": ("mean", "recipe study, test BLEU (mean over seeds)"),
 }
@@ -98,6 +98,7 @@ def _cells(line: str) -> list[str]:
 def run(script: str, arguments: list[str]) -> Path:
     """Run benchmarks/<script> with `arguments`, echo its output, and record it in the ledger."""
     command = [sys.executable, str(HERE / script), *arguments]
+    measured = revision()  # the code as it is now, before any commit made while the benchmark runs
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, cwd=ROOT)
     output = []
     for line in process.stdout:
@@ -105,17 +106,23 @@ def run(script: str, arguments: list[str]) -> Path:
         output.append(line)
     if process.wait():
         raise SystemExit(f"error: {script} exited with {process.returncode}; nothing recorded")
-    return record(Path(script).stem, "".join(output), command=" ".join(["python", f"benchmarks/{script}", *arguments]))
+    command_line = " ".join(["python", f"benchmarks/{script}", *arguments])
+    return record(Path(script).stem, "".join(output), command=command_line, commit=measured)
 
 
-def record(benchmark: str, output: str, *, command: str, extra: dict | None = None) -> Path:
-    """Write one result; its name says when, where and at which commit it was measured."""
+def revision() -> str:
+    """HEAD's short hash, with "+changes" when tracked files differ from it."""
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
                            cwd=ROOT).stdout.strip()  # fmt: skip
+    return commit.stdout.strip() + ("+changes" if dirty else "")
+
+
+def record(benchmark: str, output: str, *, command: str, commit: str | None = None, extra: dict | None = None) -> Path:
+    """Write one result; its name says when, where and at which commit (default: HEAD now) it was measured."""
     found = machine()
     result = {"benchmark": benchmark, "date": datetime.date.today().isoformat(),
-              "commit": commit.stdout.strip() + ("+changes" if dirty else ""), "command": command, "machine": found,
+              "commit": commit or revision(), "command": command, "machine": found,
               "tables": tables(output), "output": output, **(extra or {})}  # fmt: skip
     slug = re.sub(r"[^a-z0-9]+", "-", found["kind"].lower()).strip("-")
     path = RESULTS / benchmark / f"{result['date']}-{slug}-{result['commit'].split('+')[0] or 'nocommit'}.json"

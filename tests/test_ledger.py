@@ -62,3 +62,16 @@ def test_record_stores_what_a_command_printed_and_the_page_quotes_its_end(tmp_pa
     assert result["benchmark"] == "demo" and result["command"] == "seq2seq demo" and result["tables"] == []
     page = ledger.render_page(ledger.results())
     assert "`seq2seq demo`" in page and "test BLEU: checkpoint 96.21\ndone\n```" in page
+
+
+def test_a_run_is_stamped_with_the_commit_it_started_from(tmp_path, monkeypatch):
+    """A commit made while a long benchmark runs is not the code that was measured."""
+    monkeypatch.setattr(ledger, "RESULTS", tmp_path)
+    monkeypatch.setattr(ledger, "HERE", tmp_path)
+    commits = iter(["before1", "after22"])
+    monkeypatch.setattr(ledger, "revision", lambda: next(commits))
+    (tmp_path / "benchmark_tiny.py").write_text("print('| a | b |')\nprint('|---|---|')\nprint('| 1 | 2 |')\n")
+    path = ledger.run("benchmark_tiny.py", [])
+    result = json.loads(path.read_text())
+    assert result["commit"] == "before1" and path.name.endswith("-before1.json")
+    assert result["tables"] == [[{"a": "1", "b": "2"}]]
