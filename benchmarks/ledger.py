@@ -7,7 +7,7 @@
 
 `record` stores what a command printed (its stdin) as a result of its own, e.g. the demo's run;
 `run` runs a benchmark of this folder as it is (its arguments after the script's name), shows its
-output as it comes, and writes benchmarks/results/<benchmark>/<date>-<machine kind>-<commit>.json:
+output as it comes, and writes benchmarks/results/<benchmark>/<date>-<hhmm>-<machine kind>-<commit>.json:
 the machine (CPU model and ISA flags, or the GPU; cores; torch and Python), the date, the commit,
 the command, the output and every Markdown table the output printed. `render` writes
 benchmarks/README.md from the results (per benchmark, the latest result of each machine kind, the
@@ -120,12 +120,16 @@ def revision() -> str:
 
 def record(benchmark: str, output: str, *, command: str, commit: str | None = None, extra: dict | None = None) -> Path:
     """Write one result; its name says when, where and at which commit (default: HEAD now) it was measured."""
-    found = machine()
-    result = {"benchmark": benchmark, "date": datetime.date.today().isoformat(),
+    found, now = machine(), datetime.datetime.now(datetime.timezone.utc)
+    result = {"benchmark": benchmark, "date": now.date().isoformat(), "time": now.strftime("%H:%M:%S"),
               "commit": commit or revision(), "command": command, "machine": found,
               "tables": tables(output), "output": output, **(extra or {})}  # fmt: skip
     slug = re.sub(r"[^a-z0-9]+", "-", found["kind"].lower()).strip("-")
-    path = RESULTS / benchmark / f"{result['date']}-{slug}-{result['commit'].split('+')[0] or 'nocommit'}.json"
+    stem = f"{result['date']}-{now.strftime('%H%M')}-{slug}-{result['commit'].split('+')[0] or 'nocommit'}"
+    path, copies = RESULTS / benchmark / f"{stem}.json", 1
+    while path.exists():  # two runs of one minute and commit are two results
+        copies += 1
+        path = path.with_name(f"{stem}-{copies}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, json.dumps(result, indent=1, ensure_ascii=False) + "\n")
     print(f"recorded: {os.path.relpath(path, ROOT)}", file=sys.stderr)
@@ -140,7 +144,8 @@ def results() -> dict[str, list[dict]]:
         result["path"] = f"results/{path.parent.name}/{path.name}"  # as benchmarks/README.md links it
         found.setdefault(result["benchmark"], []).append(result)
     return {
-        name: sorted(runs, key=lambda r: (r["date"], r["path"]), reverse=True) for name, runs in sorted(found.items())
+        name: sorted(runs, key=lambda r: (r["date"], r.get("time", ""), r["path"]), reverse=True)
+        for name, runs in sorted(found.items())
     }
 
 
@@ -193,7 +198,7 @@ def glance(ledger: dict[str, list[dict]]) -> str:
     rows: dict[str, list[str]] = {}
     for name, (column, what) in GLANCE.items():
         for kind, result in latest_by_kind(ledger.get(name, [])).items():
-            cells = [f"{_row_name(row)}: {row[column]}" for table in result["tables"] for row in table if column in row]
+            cells = [f"{_row_name(row)}: {row[key]}" for row, key in _quoted(result["tables"], column)]
             if cells:
                 link = f"[{result['date']}](benchmarks/README.md#{name})"  # GitHub's anchor keeps the underscore
                 rows.setdefault(kind, []).append(f"| {what} | {'; '.join(cells[:GLANCE_CELLS])} | {link} |")
@@ -201,6 +206,16 @@ def glance(ledger: dict[str, list[dict]]) -> str:
         "\n".join([f"**{kind}**", "", "| what | latest figures | result |", "|---|---|---|", *lines])
         for kind, lines in sorted(rows.items())
     )
+
+
+def _quoted(tables: list[list[dict]], column: str) -> list[tuple[dict, str]]:
+    """The rows of the last table with a column named `column` (or starting with it: `target tokens/s
+    (whole run)`), each with that column's full name: a benchmark prints its summary last."""
+    for table in reversed(tables):
+        key = next((key for key in (table[0] if table else {}) if key.startswith(column)), None)
+        if key is not None:
+            return [(row, key) for row in table]
+    return []
 
 
 def _row_name(row: dict) -> str:

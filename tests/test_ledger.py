@@ -75,3 +75,17 @@ def test_a_run_is_stamped_with_the_commit_it_started_from(tmp_path, monkeypatch)
     result = json.loads(path.read_text())
     assert result["commit"] == "before1" and path.name.endswith("-before1.json")
     assert result["tables"] == [[{"a": "1", "b": "2"}]]
+
+
+def test_of_two_results_of_one_day_the_later_is_the_latest(tmp_path, monkeypatch):
+    monkeypatch.setattr(ledger, "RESULTS", tmp_path)
+    monkeypatch.setattr(ledger, "revision", lambda: "same123")
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    first = ledger.record("benchmark_serve", OUTPUT.replace("38.2", "1.0"), command="first")
+    later = ledger.record("benchmark_serve", OUTPUT.replace("38.2", "2.0"), command="later")
+    assert first != later and first.exists()  # the later run did not overwrite the first
+    for path, time in ((first, "09:00:00"), (later, "10:00:00")):  # as if an hour apart
+        result = json.loads(path.read_text())
+        path.write_text(json.dumps({**result, "time": time}))
+    (latest,) = ledger.latest_by_kind(ledger.results()["benchmark_serve"]).values()
+    assert latest["command"] == "later"
