@@ -2,9 +2,9 @@
 
 PyTorch's CPU dropout draws one Bernoulli sample per element through its serial generator, 17 times
 per training step of the d 256, 3+3 model: a visible share of a bf16 step on a CPU (profile_train
-in the ledger). Here each element gets 16 random bits, drawn 64 at a
-time from the same seeded generator (so runs stay reproducible and resume exactly), and is dropped
-when they fall under p x 65,536: a third of the time, forward and backward. The drop probability
+in the ledger). Here each element gets 16 random bits, drawn 64 at a time from the same seeded
+generator (so runs stay reproducible and resume exactly), and is dropped when they fall under
+p x 65,536, in a fraction of bernoulli_'s time. The drop probability
 is p rounded to a multiple of 1/65,536 (0.1 becomes 0.100006) and kept elements are scaled by
 1 / (1 - that probability), so the expected output is still the input. On GPUs PyTorch's fused
 kernel is fast already and is used as is.
