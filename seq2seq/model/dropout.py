@@ -44,23 +44,27 @@ class Dropout(nn.Module):
 
 def drop_mask(shape: torch.Size, p: float) -> tuple[Tensor, float]:
     """A bool mask of `shape`, True where an element is dropped, and the scale for the kept ones."""
-    bits, threshold = _random_levels(shape, p)
-    return bits < threshold, _scale(p)
+    return _draw(shape, p, kept_as=None), _scale(p)
 
 
 def _kept_mask(shape: torch.Size, p: float, dtype: torch.dtype) -> tuple[Tensor, float]:
     """drop_mask's complement as 1s and 0s of `dtype`, from the same draws: in bf16, multiplying by it
     takes a fraction of the time masked_fill takes (benchmarks/profile_train.py), at 2 bytes an element."""
-    bits, threshold = _random_levels(shape, p)
-    return torch.ge(bits, threshold, out=torch.empty(shape, dtype=dtype)), _scale(p)
+    return _draw(shape, p, kept_as=dtype), _scale(p)
 
 
-def _random_levels(shape: torch.Size, p: float) -> tuple[Tensor, int]:
-    """16 uniform random bits per element of `shape`, and the level under which an element is dropped."""
+def _draw(shape: torch.Size, p: float, *, kept_as: torch.dtype | None) -> Tensor:
+    """16 uniform random bits per element of `shape`, compared with the level under which an element
+    is dropped: True where dropped, or (kept_as a dtype) 1 where kept and 0 where dropped. The bits are
+    a dtype view of int64 draws, so they never leave this function (torch.compile fails on such a
+    view passed between functions)."""
     count = shape.numel()
     words = torch.empty((count + 3) // 4, dtype=torch.int64).random_(-(2**63), None)  # 64 uniform bits each
     bits = words.view(torch.int16)[:count].view(shape)  # uniform over [-32768, 32767]
-    return bits, round(p * _LEVELS) - _LEVELS // 2
+    threshold = round(p * _LEVELS) - _LEVELS // 2
+    if kept_as is None:
+        return bits < threshold
+    return torch.ge(bits, threshold, out=torch.empty(shape, dtype=kept_as))
 
 
 def _scale(p: float) -> float:
