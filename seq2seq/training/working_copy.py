@@ -3,7 +3,8 @@
 Under autocast, every weight is cast to bf16 at each use in the forward pass, its gradient cast
 back in the backward pass, and every LayerNorm, residual sum and attention input crosses between
 fp32 and bf16: hundreds of conversions a step (benchmarks/profile_train.py counts them), which cost
-little where matrix products are slow and most of the step where they are nearly free (AMX, GPUs).
+little where matrix products are slow and a large share of the step where they are nearly free (AMX,
+GPUs).
 
 Here the model that trains (the optimizer's, the checkpoint's, validation's) keeps its fp32
 weights, the master copy. The forward and backward passes run on a bf16 copy of it, made once after
@@ -11,8 +12,8 @@ each optimizer step (`refresh`); its gradients are handed to the master in one p
 where clipping and the optimizer work in fp32 as before. In between, activations stay in bf16:
 the residual stream, attention's inputs, LayerNorm's inputs and outputs (PyTorch computes
 LayerNorm's statistics in fp32 for bf16 input), the output layer's rows (the loss computes its
-softmax in fp32, training/loss.py). The model's own code is unchanged; it runs in whatever dtype
-its weights have.
+softmax in fp32, training/loss.py). The gradients of an update's accumulation steps add up in bf16,
+as DDP averages them. The model's own code is unchanged; it runs in whatever dtype its weights have.
 """
 
 from __future__ import annotations
