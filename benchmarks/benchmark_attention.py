@@ -8,16 +8,25 @@ This measures which is faster at the shapes training meets, for the decoder's ca
 self-attention and for the padding-masked encoder/cross attention.
 
     python benchmarks/benchmark_attention.py [--tokens 64000] [--lengths 24 40 64 128] [--dtype bf16]
+
+Without a GPU it answers the CPU's question instead: bf16 q, k, v through PyTorch's fused kernel in
+bf16, against our path (`seq2seq.model.execution.attention`: the same kernel in fp32, q, k, v cast in
+and the output cast back), which costs training its attention casts.
+
+    python benchmarks/benchmark_attention.py --tokens 4000 --heads 4   # on a CPU, the small model's batch
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from seq2seq.model.execution import attention
 
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
             "math": SDPBackend.MATH}  # fmt: skip
@@ -47,8 +56,7 @@ def main() -> int:
     parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        print("error: needs a CUDA device", file=sys.stderr)
-        return 2
+        return cpu_bf16(args)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     print(f"{torch.cuda.get_device_name()}; {args.tokens} tokens, {args.heads} heads x {args.head_dim}, {args.dtype}; "
           "forward + backward, median ms")  # fmt: skip
@@ -78,6 +86,46 @@ def main() -> int:
             fastest = min((ms, name) for name, ms in row.items() if ms is not None)[1]
             print(f"| {length} | {kind} | " + " | ".join(cells) + f" | {fastest} |")
     return 0
+
+
+def cpu_bf16(args) -> int:
+    """bf16 attention on a CPU: the fused kernel in bf16 against ours (fp32 inside), forward + backward."""
+    threads = torch.get_num_threads()
+    print(f"CPU, {threads} threads; {args.tokens} tokens, {args.heads} heads x {args.head_dim}, bf16 q, k, v; "
+          "forward + backward, median ms")  # fmt: skip
+    print("| length | attention | fused kernel in bf16 | ours (fp32 inside, cast in and out) | bf16 / ours |")
+    print("|---|---|---|---|---|")
+    for length in args.lengths:
+        batch = args.tokens // length
+        shape = (batch, args.heads, length, args.head_dim)
+        q, k, v = (torch.randn(shape, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        grad = torch.randn(shape, dtype=torch.bfloat16)
+        lengths = torch.randint(length // 2, length + 1, (batch,))
+        padding = (torch.arange(length) < lengths[:, None]).view(batch, 1, 1, length)
+        for kind, mask, causal in (("causal", None, True), ("padding mask", padding, False)):
+
+            def fused_bf16(mask=mask, causal=causal, inputs=(q, k, v), grad=grad):
+                with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]):
+                    F.scaled_dot_product_attention(*inputs, attn_mask=mask, is_causal=causal).backward(grad)
+
+            def ours(mask=mask, causal=causal, inputs=(q, k, v), grad=grad):
+                attention(*inputs, mask=mask, is_causal=causal, dropout_p=0.0).backward(grad)
+
+            bf16, fp32_inside = cpu_time_ms(fused_bf16), cpu_time_ms(ours)
+            print(f"| {length} | {kind} | {bf16:.2f} | {fp32_inside:.2f} | {bf16 / fp32_inside:.2f}x |")
+    return 0
+
+
+def cpu_time_ms(function, repeats: int = 20) -> float:
+    """Median wall milliseconds of `function` after warm-up."""
+    for _ in range(3):
+        function()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        function()
+        times.append((time.perf_counter() - start) * 1e3)
+    return sorted(times)[len(times) // 2]
 
 
 if __name__ == "__main__":
