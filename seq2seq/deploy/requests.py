@@ -133,26 +133,25 @@ def parse_score_request(body: object, translator: Translator, limits: Limits) ->
         plans = translator.plan_scoring(sources, targets, names=Names(line="pair {index}"))
     except UserInputError as error:
         raise RequestError(422, str(error)) from None
-    for index, plan in enumerate(plans):
-        if plan.limit > limits.max_tokens_per_line:
-            raise RequestError(
-                413,
-                f"targets[{index}]: {plan.limit} pieces with its end; at most "
-                f"{limits.max_tokens_per_line} per line on this server",
-            )
+    _check_pieces([plan.limit for plan in plans], limits, "targets")
     _check_work(plans, limits, "sources")
     return Job(sources, decode, plans, targets=targets)
 
 
-def _check_work(plans: list[LinePlan], limits: Limits, key: str) -> None:
-    """Each line's pieces, then the request's work as a whole, within the server's limits (413)."""
-    for index, plan in enumerate(plans):
-        if plan.source > limits.max_tokens_per_line:
+def _check_pieces(counts: list[int], limits: Limits, key: str) -> None:
+    """Each line of `key` within the server's pieces per line, counted with its end (413)."""
+    for index, count in enumerate(counts):
+        if count > limits.max_tokens_per_line:
             raise RequestError(
                 413,
-                f"{key}[{index}]: {plan.source} pieces with its end; at most "
+                f"{key}[{index}]: {count} pieces with its end; at most "
                 f"{limits.max_tokens_per_line} per line on this server",
             )
+
+
+def _check_work(plans: list[LinePlan], limits: Limits, key: str) -> None:
+    """Each line's pieces, then the request's work as a whole, within the server's limits (413)."""
+    _check_pieces([plan.source for plan in plans], limits, key)
     work = sum(plan.work for plan in plans)
     if work > limits.max_work:
         raise RequestError(
