@@ -31,6 +31,15 @@ RunDirOption = Annotated[
     Optional[Path],  # noqa: UP045
     typer.Option("--run-dir", help="Run directory [default: runs/<config name>].", show_default=False),
 ]
+ShortlistOption = Annotated[
+    Optional[Path],  # noqa: UP045
+    typer.Option(
+        "--shortlist",
+        help="Hold each output to its source's shortlist (a file from `seq2seq shortlist`; checkpoints only: "
+        "an export carries its own).",
+        show_default=False,
+    ),
+]
 
 
 def _version(value: bool) -> None:

@@ -96,6 +96,7 @@ def translate_file(
     device: str | None = None,
     attention_plot: Path | None = None,
     guides: LineGuides = LineGuides(),
+    shortlist: Path | None = None,
 ) -> list[Path]:
     """`seq2seq translate`: `model` is a checkpoint, a run directory, an exported directory or a list of
     checkpoints (an ensemble); `source` and `output` are paths or "-" (stdin, stdout). With n-best > 1 each line
@@ -108,7 +109,7 @@ def translate_file(
     if attention_plot is not None and attention_plot.exists() and not attention_plot.is_dir():
         raise UserInputError(f"--attention-plot {attention_plot}: is a file; expected a folder for the PNG files")
     glossary = guides.check()
-    translator = Translator.load(model, device=device)
+    translator = Translator.load(model, device=device, shortlist=shortlist)
     decode = translator.settings(decode_overrides)
     if attention_plot is not None and translator.bundle is None:
         raise UserInputError(f"--attention-plot: {model} is not one checkpoint; attention maps need one")  # before work

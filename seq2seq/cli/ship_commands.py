@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from seq2seq.cli.app import SetOption, app
+from seq2seq.cli.app import SetOption, ShortlistOption, app
 from seq2seq.cli.boundary import user_errors
 from seq2seq.deploy.requests import Limits
 from seq2seq.errors import UserInputError
@@ -72,6 +72,15 @@ def export(
         float, typer.Option("--max-bleu-drop", min=0.0, help="Quantized exports: the BLEU the gate lets go.")
     ] = 1.0,
     max_positions: MaxPositionsOption = None,
+    shortlist: Annotated[
+        Optional[Path],  # noqa: UP045
+        typer.Option(
+            "--shortlist",
+            help="A file from `seq2seq shortlist` the export decodes over (CTranslate2's "
+            "vocabulary map); the gate checks it against the checkpoint with the same shortlist.",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Export a checkpoint as a CTranslate2 model, through a parity gate that decodes with both.
 
@@ -83,6 +92,7 @@ def export(
     Examples:
       seq2seq export runs/demo/checkpoints/best.pt -o models/demo-ct2
       seq2seq export runs/bible/checkpoints/best.pt -o models/bible-int8 --quantization int8
+      seq2seq export student.pt -o models/student --quantization int8 --shortlist student.shortlist
     """
     from seq2seq.deploy.export import ExportFailed, export_checkpoint
 
@@ -91,7 +101,7 @@ def export(
     try:
         report = export_checkpoint(checkpoint, output, quantization=quantization, check_src=check_src,
                                    check_ref=check_ref, check_lines=check_lines, max_bleu_drop=max_bleu_drop,
-                                   max_positions=max_positions)  # fmt: skip
+                                   max_positions=max_positions, shortlist=shortlist)  # fmt: skip
     except ExportFailed as failure:
         for line in str(failure).splitlines():
             typer.echo(f"error: {line}", err=True)
@@ -134,6 +144,7 @@ def serve(
         typer.Option("--api-key", envvar="SEQ2SEQ_API_KEY", show_default=False,
                      help="Require 'Authorization: Bearer KEY' on every request (better set in SEQ2SEQ_API_KEY)."),
     ] = None,
+    shortlist: ShortlistOption = None,
 ) -> None:  # fmt: skip
     """Serve a model over HTTP: POST /translate {"lines": [...]}, POST /score and GET /health.
 
@@ -156,7 +167,7 @@ def serve(
                                  max_queue=max_queue, request_timeout=timeout_s)  # fmt: skip
     typer.echo(f"serving {' + '.join(map(str, model))} on http://{host}:{port} (POST /translate, /score; GET "
                "/health); Ctrl-C stops", err=True)  # fmt: skip
-    serve_model(model, host=host, port=port, limits=limits, api_key=api_key)
+    serve_model(model, host=host, port=port, limits=limits, api_key=api_key, shortlist=shortlist)
 
 
 @app.command()
@@ -186,3 +197,47 @@ def plot(run_dir: Annotated[Path, typer.Argument(help="A run directory with metr
 
     for path in plot_training_curves(run_dir):
         typer.echo(str(path))
+
+
+@app.command("shortlist")
+@user_errors
+def shortlist(
+    checkpoint: Annotated[Path, typer.Argument(help="The checkpoint (or run directory) whose vocabulary it is for.",
+                                               show_default=False)],
+    output: Annotated[Path, typer.Option("--output", "-o", help="The shortlist file to write.", show_default=False)],
+    src: Annotated[Optional[Path], typer.Option("--src", help="Source sentences [default: the training split]."  # noqa: UP045
+                                                ,show_default=False)] = None,
+    tgt: Annotated[Optional[Path], typer.Option("--tgt", help="Their translations.", show_default=False)] = None,  # noqa: UP045
+    per_source: Annotated[int, typer.Option("--per-source", min=1, help="Target pieces kept per source piece.")] = 50,
+    frequent: Annotated[int, typer.Option("--frequent", min=0, help="Most frequent target pieces always allowed.")
+                        ] = 100,
+) -> None:  # fmt: skip
+    """Build a lexical shortlist: for each source piece the target pieces most associated with it in
+    parallel text, and the most frequent target pieces (Marian's --shortlist, CTranslate2's vocabulary map).
+
+    \b
+    Examples:
+      seq2seq shortlist runs/bible/checkpoints/best.pt -o bible.shortlist
+      seq2seq translate -c runs/bible/checkpoints/best.pt --shortlist bible.shortlist -i test.en
+      seq2seq export runs/bible/checkpoints/best.pt -o models/bible-int8 --quantization int8 --shortlist bible.shortlist
+    """
+    from seq2seq.checkpoint import Checkpoint
+    from seq2seq.data.prepare import read_split
+    from seq2seq.data.sources import read_lines
+    from seq2seq.files import check_writable
+    from seq2seq.inference.shortlist import shortlist_from_corpus
+
+    if (src is None) != (tgt is None):
+        raise UserInputError("--src and --tgt go together (source sentences and their translations)")
+    if output.exists():
+        raise UserInputError(f"{output}: already exists; expected a new file (delete it or choose another -o)")
+    check_writable(output)
+    loaded = Checkpoint.load(checkpoint)
+    if src is None:
+        pairs = read_split(loaded.config.data, "train")
+        sources, targets = pairs.src, pairs.tgt
+    else:
+        sources, targets = list(read_lines(src)), list(read_lines(tgt))
+    built = shortlist_from_corpus(loaded.tokenizer, sources, targets, per_source=per_source, frequent=frequent)
+    built.write(output)
+    typer.echo(f"shortlist of {len(built.candidates)} source pieces, {len(built.frequent)} frequent -> {output}")

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from seq2seq.cli.app import SetOption, app
+from seq2seq.cli.app import SetOption, ShortlistOption, app
 from seq2seq.cli.boundary import user_errors
 
 MODEL_HELP = "A checkpoint (.pt), a run directory (its best.pt), or a directory from `seq2seq export`"
@@ -67,6 +67,7 @@ def translate(
             "its target term (checkpoints only).",
         ),
     ] = None,
+    shortlist: ShortlistOption = None,
 ) -> None:
     """Translate text, one sentence per line.
 
@@ -89,6 +90,7 @@ def translate(
         stream=stream,
         attention_plot=attention_plot,
         guides=guides,
+        shortlist=shortlist,
     )
     if written:
         typer.echo(f"attention plots: {', '.join(map(str, written))}", err=True)
@@ -162,6 +164,7 @@ def evaluate(
         Optional[Path], typer.Option("--hyps", help="Also write the translations here.", show_default=False)  # noqa: UP045
     ] = None,
     overrides: SetOption = None,
+    shortlist: ShortlistOption = None,
 ) -> None:
     """Translate --src and score it against --ref with sacrebleu (scores with their signatures).
 
@@ -183,6 +186,7 @@ def evaluate(
         options=options,
         hypotheses_path=hypotheses_path,
         json_path=json_path,
+        shortlist=shortlist,
     )
     typer.echo(evaluation.scores.describe())
 

@@ -38,8 +38,9 @@ from seq2seq.evaluation.evaluate import translate_and_score
 from seq2seq.evaluation.scoring import Scores
 from seq2seq.files import remove_stale_temporaries, temporary_path
 from seq2seq.inference.admission import ModelCapacity, Names, plan_translation
-from seq2seq.inference.ctranslate2_engine import position_table_size
+from seq2seq.inference.ctranslate2_engine import SHORTLIST_FILE, position_table_size
 from seq2seq.inference.engine import EXPORT_METADATA
+from seq2seq.inference.shortlist import Shortlist
 from seq2seq.inference.translator import Translator
 from seq2seq.model.transformer import sinusoidal_positions
 
@@ -97,16 +98,21 @@ def export_checkpoint(
     check_lines: int = 500,
     max_bleu_drop: float = 1.0,
     max_positions: int | None = None,
+    shortlist: Path | None = None,
 ) -> ParityReport:
     """Export, run the parity gate, and only then put the model at `output`. Raises ExportFailed.
     `max_positions`: the longest source and output the exported model will place (default:
-    ctranslate2_engine.position_table_size); longer lines are refused by the exported model."""
+    ctranslate2_engine.position_table_size); longer lines are refused by the exported model.
+    `shortlist`: a file from `seq2seq shortlist` the export decodes over (CTranslate2's vocabulary
+    map); the gate then compares it with the checkpoint held to the same shortlist."""
     if quantization not in QUANTIZATIONS:
         raise UserInputError(f"--quantization {quantization}: expected one of {', '.join(QUANTIZATIONS)}")
     if output.exists():
         raise UserInputError(f"{output}: already exists; expected a new directory (delete it or choose another -o)")
     missing = _missing_folders(output.parent)  # made when the work starts, removed again if it fails
     checkpoint = Checkpoint.load(checkpoint_path)
+    if shortlist is not None:  # a file of another vocabulary is named before any work
+        Shortlist.read(shortlist).target_lists(checkpoint.tokenizer.src_model, checkpoint.tokenizer.tgt_model)
     sources, references = _check_sentences(checkpoint, check_src, check_ref, check_lines)
     positions = max_positions or position_table_size(checkpoint.config)
     tokenizer = checkpoint.tokenizer
@@ -125,8 +131,10 @@ def export_checkpoint(
     try:
         _SpecConverter(spec).convert(str(staging), quantization=quantization, force=True)
         _write_tokenizer_and_metadata(staging, checkpoint, quantization, positions)
+        if shortlist is not None:
+            shutil.copyfile(shortlist, staging / SHORTLIST_FILE)
         report = parity(
-            Translator.load(checkpoint_path, device="cpu"),
+            Translator.load(checkpoint_path, device="cpu", shortlist=shortlist),
             Translator.load(staging),
             sources,
             references,
@@ -169,11 +177,18 @@ def parity(
     quantization: str,
     max_bleu_drop: float,
 ) -> ParityReport:
-    """Both engines on the same sentences and settings: greedy agreement and beam scores."""
+    """Both engines on the same sentences and settings: greedy agreement and beam scores.
+
+    A shortlisted export decodes a batch over the union of its lines' shortlists (CTranslate2's
+    vocabulary map), our search each line over its own: the gate gives the export one line a batch,
+    so that both hold each line to its own list."""
     searched = dataclasses.replace(ours.decode, sample=False)  # the gate compares searches, never samples
+    alone = dataclasses.replace(searched, batch_tokens=1) if exported.shortlisted else searched
     greedy = dataclasses.replace(searched, beam=1, nbest=1)
+    greedy_alone = dataclasses.replace(alone, beam=1, nbest=1)
     same = sum(
-        a.text == b.text for a, b in zip(ours.translate_with(sources, greedy), exported.translate_with(sources, greedy))
+        a.text == b.text
+        for a, b in zip(ours.translate_with(sources, greedy), exported.translate_with(sources, greedy_alone))
     )
     return ParityReport(
         quantization=quantization,
@@ -181,7 +196,7 @@ def parity(
         identical_greedy=same / len(sources),
         beam=ours.decode.beam,
         ours=translate_and_score(ours, sources, references, searched).scores,
-        exported=translate_and_score(exported, sources, references, searched).scores,
+        exported=translate_and_score(exported, sources, references, alone).scores,
         max_bleu_drop=max_bleu_drop,
     )
 

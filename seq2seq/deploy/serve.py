@@ -308,9 +308,16 @@ def is_loopback(host: str) -> bool:
 
 
 def serve(
-    model: Path | list[Path], *, host: str, port: int, limits: Limits = Limits(), api_key: str | None = None
+    model: Path | list[Path],
+    *,
+    host: str,
+    port: int,
+    limits: Limits = Limits(),
+    api_key: str | None = None,
+    shortlist: Path | None = None,
 ) -> None:
-    """Load the model (several checkpoints: an ensemble), then serve until SIGTERM or Ctrl-C."""
+    """Load the model (several checkpoints: an ensemble; `shortlist`: Translator.load's), then serve
+    until SIGTERM or Ctrl-C."""
     import socket
 
     import uvicorn
@@ -326,7 +333,7 @@ def serve(
             host,
             API_KEY_VARIABLE,
         )
-    translator = Translator.load(model)
+    translator = Translator.load(model, shortlist=shortlist)
     name = " + ".join(map(str, model)) if isinstance(model, list) else str(model)
     app = create_app(translator, model_name=name, limits=limits, api_key=api_key)
     # a request admitted before SIGTERM may take up to request_timeout: shutdown waits as long for it

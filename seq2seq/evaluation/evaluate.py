@@ -57,6 +57,7 @@ def evaluate_files(
     device: str | None = None,
     hypotheses_path: Path | None = None,
     json_path: Path | None = None,
+    shortlist: Path | None = None,
 ) -> Evaluation:
     """`seq2seq eval`: translate the file `src` with a checkpoint, an exported model or an ensemble of
     checkpoints (a list), score against the
@@ -68,7 +69,7 @@ def evaluate_files(
     if not sources:
         raise UserInputError(f"{src}: no lines to translate; expected a source file with at least one line")
     reference_sets = _read_references(refs, len(sources), counted=str(src))
-    translator = Translator.load(model, device=device)
+    translator = Translator.load(model, device=device, shortlist=shortlist)
     decode = translator.settings(decode_overrides)
     translator.plan(sources, decode, names=Names(line=f"{src}:{{number}}"))  # a line it would refuse: before any work
     evaluation = translate_and_score(translator, sources, reference_sets, decode, options=options, progress=True)

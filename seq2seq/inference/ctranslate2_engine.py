@@ -45,6 +45,7 @@ from seq2seq.inference.engine import (
 
 NEGLIGIBLE_EXPONENT = 1e-9  # length^1e-9 is 1 within 1e-8 relative: the order of raw log-probabilities
 SMALLEST_POSITION_TABLE = 1024  # CTranslate2's own default input limit
+SHORTLIST_FILE = "vmap.txt"  # where CTranslate2 looks for a model's vocabulary map (its use_vmap)
 
 
 def position_table_size(config: Config) -> int:
@@ -69,7 +70,8 @@ def load_exported(directory: Path, *, device: str | None = None) -> tuple[Decode
     except (RuntimeError, OSError, KeyError, TypeError) as error:
         raise UserInputError(f"{directory}: not a loadable exported model ({type(error).__name__}: {error})") from None
     positions = metadata.get("max_positions") or position_table_size(config)  # an export from before the record
-    return config.decode, CTranslate2Engine(runtime, src, tgt, max_positions=positions)
+    shortlisted = (directory / SHORTLIST_FILE).is_file()
+    return config.decode, CTranslate2Engine(runtime, src, tgt, max_positions=positions, shortlisted=shortlisted)
 
 
 class CTranslate2Engine:
@@ -86,8 +88,9 @@ class CTranslate2Engine:
         tgt: spm.SentencePieceProcessor,
         *,
         max_positions: int,
+        shortlisted: bool = False,
     ) -> None:
-        self.runtime, self.src, self.tgt = runtime, src, tgt
+        self.runtime, self.src, self.tgt, self.shortlisted = runtime, src, tgt, shortlisted
         self.source_model, self.target_model, self.max_positions = src, tgt, max_positions
 
     def translate(
@@ -111,7 +114,9 @@ class CTranslate2Engine:
         limits = [decode.output_limit(len(sentence) + 1) for sentence in pieces]  # + the EOS CTranslate2 adds
         if forced is not None:
             limits = [guidance_limit(limit, len(prefix)) for limit, prefix in zip(limits, forced)]
-        outputs = _translate(self.runtime, pieces, limits, decode, forced, deadline=deadline)
+        outputs = _translate(
+            self.runtime, pieces, limits, decode, forced, deadline=deadline, shortlisted=self.shortlisted
+        )
         results = [Translation([]) for _ in lines]
         for position, output in enumerate(outputs):
             nbest = [(self.tgt.decode(tokens), score) for tokens, score in zip(output.hypotheses, output.scores)]
@@ -153,8 +158,10 @@ def _translate(
     prefixes: list[list[str]] | None = None,
     *,
     deadline: float | None = None,
+    shortlisted: bool = False,
 ) -> list:
-    """CTranslate2's outputs in input order, each with `hypotheses` and `scores`, best first.
+    """CTranslate2's outputs in input order, each with `hypotheses` and `scores`, best first;
+    `shortlisted`: over the model's vocabulary map (the union of a batch's lines' shortlists).
 
     CTranslate2 runs our search: 2 x beam candidates a step, a hypothesis ends when EOS is among
     the best `beam`, a sentence ends when beam x patience have, and they are ranked by log-probability
@@ -167,7 +174,7 @@ def _translate(
     per worker, and the deadline is checked between waves (and, where CTranslate2 offers it, greedy
     and sampled decoding stop at the step that passes it)."""
     exponent = _ctranslate2_exponent(decode)
-    search = {**_search_options(decode, deadline), "length_penalty": exponent}
+    search = {**_search_options(decode, deadline), "length_penalty": exponent, "use_vmap": shortlisted}
     draws = decode.nbest if decode.sample else 1  # a sampled line goes in nbest times, one draw each
     by_limit: dict[int, list[int]] = defaultdict(list)
     for position, limit in enumerate(limits):

@@ -63,6 +63,7 @@ class Engine(Protocol):
     title: str  # how messages name it: "CTranslate2"
     instead: str  # what a user can do when it lacks something: "translate with the checkpoint ..."
     constrained_search: bool  # terminology constraints
+    shortlisted: bool  # outputs held to a lexical shortlist (shortlist.py)
     max_positions: int | None  # the longest source (EOS included) and output its model places; None: any
     source_model: SentencePieceProcessor
     target_model: SentencePieceProcessor

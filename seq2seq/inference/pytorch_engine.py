@@ -17,6 +17,8 @@ from seq2seq.inference.engine import DeadlinePassed, PairScore, Translation
 from seq2seq.inference.graphed_decoder import GraphedDecoder, graphs_apply
 from seq2seq.inference.guidance import Guidance
 from seq2seq.inference.search import search
+from seq2seq.inference.shortlist import TargetLists
+from seq2seq.inference.shortlisted_decoder import ShortlistedDecoder
 from seq2seq.progress import progress_bar
 
 
@@ -27,8 +29,9 @@ class PyTorchEngine:
     constrained_search = True
     max_positions = None  # sinusoidal positions: a line of any length is translated in full
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Tokenizer) -> None:
-        self.model, self.tokenizer = model, tokenizer
+    def __init__(self, model: torch.nn.Module, tokenizer: Tokenizer, *, shortlist: TargetLists | None = None) -> None:
+        self.model, self.tokenizer, self.shortlist = model, tokenizer, shortlist
+        self.shortlisted = shortlist is not None
         self.source_model, self.target_model = tokenizer.src_model, tokenizer.tgt_model
 
     def translate(
@@ -52,6 +55,7 @@ class PyTorchEngine:
             constraints=constraints,
             line_numbers=line_numbers,
             deadline=deadline,
+            shortlist=self.shortlist,
         )
 
     @torch.no_grad()
@@ -90,9 +94,11 @@ def translate_lines(
     constraints: list[list[str]] | None = None,
     line_numbers: list[int] | None = None,
     deadline: float | None = None,
+    shortlist: TargetLists | None = None,
 ) -> list[Translation]:
     """Translate many lines at once; output order equals input order. `prefixes` and `constraints`
-    guide the lines that have them; `line_numbers` and `deadline` as engine.Engine.translate.
+    guide the lines that have them; `line_numbers` and `deadline` as engine.Engine.translate; with
+    a `shortlist`, each line's output is made of its shortlist's pieces (shortlisted_decoder.py).
 
     On a CUDA GPU our model decodes through CUDA graphs (graphed_decoder.py says why); the outputs
     are the same."""
@@ -110,18 +116,28 @@ def translate_lines(
         bar.update(len(lines) - len(non_empty))
         for indices in batches:
             src = pad([encoded[i] for i in indices]).to(device)
+            guides = guidance.subset(indices.tolist())
             found = search(
-                decoder,
+                decoder if shortlist is None else _shortlisted(decoder, shortlist, guides, tokenizer.tgt_vocab_size),
                 src,
                 config,
                 lines=numbers[indices].tolist(),
                 deadline=deadline,
-                guidance=guidance.subset(indices.tolist()),
+                guidance=guides,
             )
             for index, hyps in zip(non_empty[indices].tolist(), found):
                 results[index] = Translation([(tokenizer.decode_tgt(h.tokens), h.score) for h in hyps])
             bar.update(len(indices))
     return results
+
+
+def _shortlisted(decoder, shortlist: TargetLists, guides: Guidance, vocabulary_size: int) -> ShortlistedDecoder:
+    """The decoder held to each sentence's shortlist, which holds its prefix and constraint pieces too."""
+    extra = [
+        [*prefix, *(i for phrase in phrases for i in phrase)]
+        for prefix, phrases in zip(guides.prefixes, guides.constraints)
+    ]
+    return ShortlistedDecoder(decoder, shortlist, extra, vocabulary_size)
 
 
 def _encoded_guidance(

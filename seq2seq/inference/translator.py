@@ -39,20 +39,35 @@ class Translator:
         return self._engine.name
 
     @property
+    def shortlisted(self) -> bool:
+        """Whether outputs are held to a lexical shortlist (shortlist.py)."""
+        return self._engine.shortlisted
+
+    @property
     def max_positions(self) -> int | None:
         """The longest source and output (in pieces) the model places; None: any."""
         return self._engine.max_positions
 
     @classmethod
-    def load(cls, path: str | Path | list[str | Path], *, device: str | None = None) -> Translator:
+    def load(
+        cls, path: str | Path | list[str | Path], *, device: str | None = None, shortlist: str | Path | None = None
+    ) -> Translator:
         """A checkpoint file (PyTorch) or a run directory (its best checkpoint), several as an ensemble (a
-        list; the first's decode settings), or a directory from `seq2seq export` (CTranslate2)."""
+        list; the first's decode settings), or a directory from `seq2seq export` (CTranslate2).
+
+        `shortlist`: a file from `seq2seq shortlist` that a checkpoint's outputs are held to
+        (shortlist.py); an export carries its own (`seq2seq export --shortlist`)."""
         if isinstance(path, (list, tuple)):
             if len(path) > 1:
-                return cls._load_ensemble([Path(item) for item in path], device)
+                return cls._load_ensemble([Path(item) for item in path], device, shortlist)
             path = path[0]
         path = Path(path)
         if (path / EXPORT_METADATA).is_file():
+            if shortlist is not None:
+                raise UserInputError(
+                    f"{path}: an exported model carries its shortlist (seq2seq export --shortlist FILE); "
+                    "--shortlist applies to checkpoints"
+                )
             from seq2seq.inference.ctranslate2_engine import load_exported
 
             decode, engine = load_exported(path, device=device)
@@ -61,11 +76,14 @@ class Translator:
 
         from seq2seq.checkpoint import load_for_inference
 
+        lists = _read_shortlist(shortlist)  # a bad file is named before the model loads
         bundle = load_for_inference(path, device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        return cls.from_model(bundle.model, bundle.tokenizer, bundle.config.decode, bundle=bundle)
+        return cls.from_model(
+            bundle.model, bundle.tokenizer, bundle.config.decode, bundle=bundle, shortlist=_for(lists, bundle.tokenizer)
+        )
 
     @classmethod
-    def _load_ensemble(cls, paths: list[Path], device: str | None) -> Translator:
+    def _load_ensemble(cls, paths: list[Path], device: str | None, shortlist: str | Path | None) -> Translator:
         import torch
 
         from seq2seq.checkpoint import Checkpoint
@@ -83,16 +101,20 @@ class Translator:
                     f"{path}: its vocabulary differs from {paths[0]}'s; an ensemble's models must "
                     "share the source and target SentencePiece models"
                 )
+        lists = _for(_read_shortlist(shortlist), checkpoints[0].tokenizer)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         ensemble = Ensemble([checkpoint.build_model(device) for checkpoint in checkpoints])
-        return cls.from_model(ensemble, checkpoints[0].tokenizer, checkpoints[0].config.decode)
+        return cls.from_model(ensemble, checkpoints[0].tokenizer, checkpoints[0].config.decode, shortlist=lists)
 
     @classmethod
-    def from_model(cls, model: Any, tokenizer: Any, decode: DecodeConfig, *, bundle: Any = None) -> Translator:
-        """Our PyTorch model in memory (validation translates with the model being trained)."""
+    def from_model(
+        cls, model: Any, tokenizer: Any, decode: DecodeConfig, *, bundle: Any = None, shortlist: Any = None
+    ) -> Translator:
+        """Our PyTorch model in memory (validation translates with the model being trained);
+        `shortlist`: shortlist.TargetLists for this tokenizer."""
         from seq2seq.inference.pytorch_engine import PyTorchEngine
 
-        return cls(decode, PyTorchEngine(model, tokenizer), bundle=bundle)
+        return cls(decode, PyTorchEngine(model, tokenizer, shortlist=shortlist), bundle=bundle)
 
     def plot_attention(self, lines: list[str], folder: Path, decode: DecodeConfig) -> list[Path]:
         """Cross-attention heatmaps (PNG, one panel per layer) of these lines' translations, written
@@ -227,3 +249,16 @@ class Translator:
             line_numbers=line_numbers,
             deadline=deadline,
         )
+
+
+def _read_shortlist(path: str | Path | None):
+    if path is None:
+        return None
+    from seq2seq.inference.shortlist import Shortlist
+
+    return Shortlist.read(path)
+
+
+def _for(shortlist: Any, tokenizer: Any):
+    """The shortlist as ids of this tokenizer (None stays None)."""
+    return None if shortlist is None else shortlist.target_lists(tokenizer.src_model, tokenizer.tgt_model)

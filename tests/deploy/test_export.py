@@ -387,3 +387,28 @@ def test_an_exported_model_stops_at_its_deadline(exported_model, monkeypatch):
     assert len(calls) <= 6  # a check, three steps, the check after: then it stopped
     with pytest.raises(DeadlinePassed):
         exported.translate_with(lines[:4], exported.settings(beam=4), deadline=0.0)
+
+
+def test_an_export_with_a_shortlist_passes_the_gate_against_the_shortlisted_checkpoint(trained_checkpoint, tmp_path):
+    """The export decodes over CTranslate2's vocabulary map; the gate compares it with the checkpoint
+    held to the same shortlist. Alone, a line translates the same on both engines; in a batch the
+    export decodes over the union of its lines' lists (CTranslate2's rule), the checkpoint never."""
+    from seq2seq.inference.shortlist import Shortlist, shortlist_from_corpus
+
+    path, data = trained_checkpoint
+    sources = (data / "train.en").read_text(encoding="utf-8").splitlines()
+    targets = (data / "train.xx").read_text(encoding="utf-8").splitlines()
+    listed = tmp_path / "demo.shortlist"
+    tokenizer = Translator.load(path).bundle.tokenizer
+    shortlist_from_corpus(tokenizer, sources, targets, per_source=8, frequent=10).write(listed)
+    report = export_module.export_checkpoint(path, tmp_path / "model", shortlist=listed)
+    assert not report.failures, report.describe()
+    assert report.identical_greedy == 1.0
+    assert Shortlist.read(tmp_path / "model" / "vmap.txt") == Shortlist.read(listed)
+    lines = (data / "test.en").read_text(encoding="utf-8").splitlines()
+    held, exported = Translator.load(path, shortlist=listed), Translator.load(tmp_path / "model")
+    assert exported.shortlisted and held.shortlisted
+    assert held.translate(lines, beam=3) == exported.translate(lines, beam=3, batch_tokens=1)
+    assert held.translate(lines, beam=3) != Translator.load(path).translate(lines, beam=3)  # the lists bind
+    with pytest.raises(UserInputError, match="an exported model carries its shortlist"):
+        Translator.load(tmp_path / "model", shortlist=listed)
