@@ -6,6 +6,7 @@ a run (a resumed run must keep them). Reading and validating a file is config_fi
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -228,6 +229,36 @@ class TrainConfig:
         return found
 
 
+Quantization = Literal["float32", "int8", "int8_float32", "int16", "float16", "bfloat16"]  # CTranslate2's
+QUANTIZATIONS: tuple[str, ...] = typing.get_args(Quantization)
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    """Sequence-level knowledge distillation (Kim & Rush 2016), `seq2seq distill`: the teacher
+    translates the training sources, the student (this config's tokenizer, model and train
+    sections) learns from its outputs, and ships small: a shortlist, a quantized export."""
+
+    teacher: tuple[str, ...] = setting((), "the teacher: a list of checkpoints (.pt or run directories); several "
+                                           "translate as an ensemble")  # fmt: skip
+    beam: int = setting(5, "the teacher's beam", AT_LEAST_ONE)
+    nbest: int = setting(1, "targets per source: the teacher's n best (or n draws), each a training pair", AT_LEAST_ONE)
+    sample: bool = setting(False, "targets drawn from the teacher (its decode section's top_k/top_p) instead of beam")
+    originals: bool = setting(False, "also train on the corpus's own targets, beside the teacher's")
+    chunk_lines: int = setting(2000, "source lines translated between saves: a kill loses one chunk", AT_LEAST_ONE)
+    shortlist: bool = setting(True, "build a lexical shortlist for the student and ship it with the export")
+    shortlist_per_source: int = setting(50, "shortlist: target pieces kept per source piece", AT_LEAST_ONE)
+    shortlist_frequent: int = setting(100, "shortlist: the most frequent target pieces, always allowed", NOT_NEGATIVE)
+    quantization: Quantization = setting("int8", "how the student is exported (CTranslate2)")
+    max_bleu_drop: float = setting(1.0, "the export gate: BLEU a quantized student may lose to its checkpoint",
+                                   NOT_NEGATIVE)  # fmt: skip
+
+    def problems(self) -> list[tuple[str, str]]:
+        if not self.teacher:
+            return [("teacher", "expected a list of one or more checkpoints (.pt files or run directories)")]
+        return []
+
+
 @dataclass(frozen=True)
 class Config:
     data: DataConfig = setting(help="where the parallel text comes from")
@@ -235,6 +266,7 @@ class Config:
     model: ModelConfig = setting(factory=ModelConfig, help="the Transformer's shape")
     train: TrainConfig = setting(factory=TrainConfig, help="how it trains")
     decode: DecodeConfig = setting(factory=DecodeConfig, help="how it translates (the model's defaults)")
+    distill: DistillConfig | None = setting(None, "a student distilled from a teacher (`seq2seq distill`)")
 
     def problems(self) -> list[tuple[str, str]]:
         if self.model.share_embeddings and not self.tokenizer.joint:

@@ -32,7 +32,8 @@ def reference() -> str:
     parts, hints = [INTRO], typing.get_type_hints(Config)
     for section in dataclasses.fields(Config):
         parts.append(f"## `{section.name}`: {section.metadata['help']}\n")
-        parts.append(_table(hints[section.name], decode=section.name == "decode"))
+        cls = next((arg for arg in typing.get_args(hints[section.name]) if arg is not type(None)), hints[section.name])
+        parts.append(_table(cls, decode=section.name == "decode"))  # an optional section: its dataclass
         if section.name == "data":
             parts.append("### A corpus (`data.train`, `data.valid`, `data.test`)\n")
             parts.append(_table(CorpusConfig))

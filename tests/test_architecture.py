@@ -8,7 +8,18 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).parents[1] / "seq2seq"
 # Bottom to top, as data flows: a wing may import its own modules and those of the wings before it.
-WINGS = ["ground", "data", "model", "checkpoint", "inference", "evaluation", "training", "deploy", "cli"]
+WINGS = [
+    "ground",
+    "data",
+    "model",
+    "checkpoint",
+    "inference",
+    "evaluation",
+    "training",
+    "deploy",
+    "distillation",
+    "cli",
+]
 GROUND = {"errors", "schema", "decoding", "config", "config_files", "config_reference", "files", "progress"}
 
 

@@ -1,4 +1,4 @@
-"""`seq2seq tokenizer train` and `seq2seq train` (one process, or torchrun with DDP)."""
+"""`seq2seq tokenizer train`, `seq2seq train` (one process, or torchrun with DDP) and `seq2seq distill`."""
 
 from __future__ import annotations
 
@@ -100,3 +100,37 @@ def _launch_torchrun(nproc: int, config: Path, overrides: list[str], run_dir: Pa
     if quiet:
         command.append("--quiet")
     return subprocess.run(command, check=False).returncode
+
+
+@app.command()
+@user_errors
+def distill(
+    config: ConfigArg,
+    overrides: SetOption = None,
+    run_dir: RunDirOption = None,
+    quiet: Annotated[bool, typer.Option("--quiet", help="No progress bars.")] = False,
+) -> None:
+    """Distil a teacher into a small student and ship it: the teacher translates the training sources,
+    the student trains on its outputs, a shortlist is built, the student is exported through the
+    parity gate, and both are compared on the test split (BLEU, chrF, lines per second, size).
+
+    The config is the student's (tokenizer, model, train, decode) with a distill section naming the
+    teacher; run it again after a stop and it continues where it stopped.
+
+    \b
+    Examples:
+      seq2seq distill configs/student_tiny.yaml
+      seq2seq distill configs/student_tiny.yaml --set distill.teacher=[runs/bible_en_es] --set train.max_steps=4000
+    """
+    from seq2seq.config_files import load_config
+    from seq2seq.distillation.pipeline import distill as run_distillation
+    from seq2seq.distillation.report import table
+    from seq2seq.errors import UserInputError
+
+    cfg = load_config(config, overrides or [])
+    if cfg.distill is None:
+        raise UserInputError(f"{config}: no distill section; expected one naming the teacher (distill.teacher)")
+    done = run_distillation(
+        cfg, _run_dir(config, run_dir), progress=not quiet, echo=lambda line: typer.echo(line, err=True)
+    )
+    typer.echo(table(done.runs))

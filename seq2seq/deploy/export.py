@@ -31,6 +31,7 @@ from ctranslate2.converters.converter import Converter
 from ctranslate2.specs import common_spec, transformer_spec
 
 from seq2seq.checkpoint import Checkpoint
+from seq2seq.config import QUANTIZATIONS
 from seq2seq.data.prepare import read_split
 from seq2seq.data.sources import read_lines
 from seq2seq.errors import UserInputError
@@ -44,7 +45,6 @@ from seq2seq.inference.shortlist import Shortlist
 from seq2seq.inference.translator import Translator
 from seq2seq.model.transformer import sinusoidal_positions
 
-QUANTIZATIONS = ("float32", "int8", "int8_float32", "int16", "float16", "bfloat16")
 ACTIVATIONS = {"relu": common_spec.Activation.RELU, "gelu": common_spec.Activation.GELU}
 EXPORT_FORMAT_VERSION = 1
 LAYER_NORM_EPSILON = 1e-5  # torch.nn.LayerNorm's default, which our layers use

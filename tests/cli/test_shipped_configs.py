@@ -19,7 +19,14 @@ def test_shipped_config_is_valid(path):
 
 
 def test_all_expected_configs_ship():
-    assert {p.stem for p in CONFIGS} >= {"demo", "bible_en_es", "small_data", "iwslt14_de_en", "wmt14_en_de_base"}
+    assert {p.stem for p in CONFIGS} >= {
+        "demo",
+        "bible_en_es",
+        "small_data",
+        "iwslt14_de_en",
+        "wmt14_en_de_base",
+        "student_tiny",
+    }
 
 
 def test_the_demo_config_in_configs_is_the_one_the_demo_ships():

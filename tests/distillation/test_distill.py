@@ -1,0 +1,156 @@
+"""`seq2seq distill` on the demo task with a tiny student: every stage runs and the report compares
+teacher and student as users run them; the student learns from the teacher's outputs; a run killed
+in any stage and started again ends with the same student and export; a bad section is one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from typer.testing import CliRunner
+
+pytest.importorskip("ctranslate2", reason="optional extra: pip install -e '.[export]' (included in [dev])")
+
+from seq2seq.cli.main import app  # noqa: E402
+from seq2seq.config_files import load_config  # noqa: E402
+from seq2seq.deploy import export as export_module  # noqa: E402
+from seq2seq.distillation import pipeline, teacher_targets  # noqa: E402
+from seq2seq.inference.translator import Translator  # noqa: E402
+from seq2seq.training import trainer as trainer_module  # noqa: E402
+
+from ..conftest import tiny_config_dict, write_pairs  # noqa: E402
+
+runner = CliRunner()
+SOURCES = 120  # training sources the teacher translates: 3 chunks of 50, the last short
+
+
+@pytest.fixture(scope="module")
+def student_config(trained_checkpoint, demo_pairs, tmp_path_factory) -> Path:
+    """A student half the teacher's width, one decoder layer, on the first SOURCES training sources."""
+    teacher, _ = trained_checkpoint
+    folder = tmp_path_factory.mktemp("distill")
+    data = folder / "data"
+    data.mkdir()
+    for split, pairs in demo_pairs.items():
+        write_pairs(data, split, pairs[:SOURCES] if split == "train" else pairs)
+    raw = tiny_config_dict(data, max_steps=20, save_every=10, valid_every=10)
+    raw["model"].update(d_model=48, heads=2, ffn_dim=96, decoder_layers=1)
+    raw["decode"] = {"beam": 1, "max_len_a": 1.5, "max_len_b": 5}
+    raw["distill"] = {"teacher": [str(teacher)], "beam": 2, "chunk_lines": 50, "shortlist_per_source": 20,
+                      "shortlist_frequent": 20, "max_bleu_drop": 100.0}  # fmt: skip
+    path = folder / "student.yaml"
+    path.write_text(yaml.safe_dump(raw), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(student_config, tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("whole") / "run"
+    result = runner.invoke(app, ["distill", str(student_config), "--run-dir", str(run_dir), "--quiet"])
+    assert result.exit_code == 0, result.output
+    return run_dir
+
+
+def test_every_stage_runs_and_the_report_compares_teacher_and_student(uninterrupted, student_config):
+    report = json.loads((uninterrupted / "report.json").read_text())
+    teacher, student = report["models"]
+    assert (teacher["name"], student["name"]) == ("teacher", "student")
+    assert all(run["lines_per_second"] > 0 and run["megabytes"] > 0 for run in (teacher, student))
+    assert student["megabytes"] < teacher["megabytes"]  # int8, half as wide
+    shipped = uninterrupted / "student-int8"
+    assert (shipped / "vmap.txt").is_file() and (uninterrupted / "student.shortlist").is_file()
+    assert json.loads((shipped / "seq2seq_export.json").read_text())["quantization"] == "int8"
+    outputs = (uninterrupted / "report" / "student.out").read_text().splitlines()
+    assert outputs == Translator.load(shipped).translate(
+        (uninterrupted / "report" / "test.src").read_text().splitlines()
+    )
+
+
+def test_the_student_learns_from_the_teachers_outputs(uninterrupted, student_config, trained_checkpoint):
+    config = load_config(student_config)
+    [work] = uninterrupted.glob("teacher-*")
+    sources = (work / "train.src").read_text().splitlines()
+    targets = (work / "train.tgt").read_text().splitlines()
+    teacher = Translator.load(trained_checkpoint[0])
+    assert targets[:10] == teacher.translate(sources[:10], beam=config.distill.beam)
+    stored = yaml.safe_load((uninterrupted / "student" / "config.yaml").read_text())
+    assert stored["data"]["train"]["tgt"] == str(work / "train.tgt")
+
+
+def _weights(run_dir: Path) -> dict:
+    return torch.load(run_dir / "student" / "checkpoints" / "last.pt", weights_only=True)["model"]
+
+
+class Killed(BaseException):
+    """Stands for the process being killed at a chosen point (nothing below catches it)."""
+
+
+def test_a_run_killed_in_each_stage_ends_like_an_uninterrupted_one(
+    uninterrupted, student_config, tmp_path, monkeypatch
+):
+    config, run_dir = load_config(student_config), tmp_path / "run"
+    real_chunk, real_save, real_parity = (
+        teacher_targets.write_text_atomic,
+        trainer_module.Trainer._save,
+        export_module.parity,
+    )
+    chunks = []  # every chunk the teacher translates, over all the starts
+
+    def write_then_die_at_the_second_chunk(path, text):
+        real_chunk(path, text)
+        if Path(path).name.startswith("chunk-"):
+            chunks.append(Path(path).name)
+            if len(chunks) == 2:
+                raise Killed
+
+    monkeypatch.setattr(teacher_targets, "write_text_atomic", write_then_die_at_the_second_chunk)
+    with pytest.raises(Killed):
+        pipeline.distill(config, run_dir, progress=False, echo=lambda _: None)
+
+    def save_then_die(self, *args, **kwargs):
+        real_save(self, *args, **kwargs)
+        raise Killed  # after the first checkpoint (step 10 of 20)
+
+    monkeypatch.setattr(trainer_module.Trainer, "_save", save_then_die)
+    with pytest.raises(Killed):
+        pipeline.distill(config, run_dir, progress=False, echo=lambda _: None)
+    monkeypatch.setattr(trainer_module.Trainer, "_save", real_save)
+
+    def die_in_the_gate(*args, **kwargs):
+        raise Killed
+
+    monkeypatch.setattr(export_module, "parity", die_in_the_gate)
+    with pytest.raises(Killed):
+        pipeline.distill(config, run_dir, progress=False, echo=lambda _: None)
+    monkeypatch.setattr(export_module, "parity", real_parity)
+    assert not (run_dir / "student-int8").exists()
+
+    pipeline.distill(config, run_dir, progress=False, echo=lambda _: None)
+    assert chunks == ["chunk-000000-of-50.json", "chunk-000001-of-50.json", "chunk-000002-of-50.json"]  # none twice
+    resumed, whole = _weights(run_dir), _weights(uninterrupted)
+    assert resumed.keys() == whole.keys() and all(torch.equal(resumed[k], whole[k]) for k in whole)
+    assert (run_dir / "student.shortlist").read_text() == (uninterrupted / "student.shortlist").read_text()
+    lines = (uninterrupted / "report" / "test.src").read_text().splitlines()
+    assert Translator.load(run_dir / "student-int8").translate(lines) == Translator.load(
+        uninterrupted / "student-int8"
+    ).translate(lines)
+
+
+@pytest.mark.parametrize(
+    ("setting", "fragment"),
+    [("distill.teacher=[]", "distill.teacher: expected a list of one or more checkpoints"),
+     ("distill.teacher=[nowhere.pt]", "distill.teacher[0]: nowhere.pt: file not found"),
+     ("distill.beam=0", "distill.beam: expected an integer >= 1"),
+     ("distill.quantization=int4", "distill.quantization"),
+     ("distill.shortlist_per_sourc=3", "distill.shortlist_per_sourc")],
+)  # fmt: skip
+def test_a_bad_distill_section_is_one_line_before_any_work(student_config, tmp_path, setting, fragment):
+    run_dir = tmp_path / "run"
+    result = runner.invoke(app, ["distill", str(student_config), "--set", setting, "--run-dir", str(run_dir)])
+    assert result.exit_code == 2, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("error")]
+    assert len(errors) == 1 and fragment in errors[0], result.output
+    assert not run_dir.exists()
