@@ -84,9 +84,10 @@ def main() -> int:
                 continue
             base_speed = statistics.median(run[key][0] for run in timings[base])
             base_bleu = timings[base][0][key][1]
-            print(f"| {key} | {name} | {speed:,.1f} | {speed / base_speed:.2f}x | {bleu:.2f} | {bleu - base_bleu:+.2f} |")
+            ratio, change = speed / base_speed, bleu - base_bleu
+            print(f"| {key} | {name} | {speed:,.1f} | {ratio:.2f}x | {bleu:.2f} | {change:+.2f} |")
             if base.startswith("CTranslate2"):
-                summary.append(f"{key}: {speed / base_speed:.2f}x {base}, BLEU {bleu - base_bleu:+.2f}")
+                summary.append(f"{key}: {ratio:.2f}x {base}, BLEU {change:+.2f}")
     print(f"shortlist on top of {args.quantization}: " + "; ".join(summary) + " (target >= 1.3x at >= -0.2 BLEU)")
     return 0
 
@@ -105,7 +106,7 @@ def _describe_lists(checkpoint: Path, shortlist: Path, lines: list[str]) -> None
           f"a 32-line batch's union: median {statistics.median(unions):,.0f}")  # fmt: skip
 
 
-def _side(model: Path, shortlist: Path | None, lines: list[str], references: list[str], beams: list[int], queue) -> None:
+def _side(model: Path, shortlist: Path | None, lines: list[str], references: list[str], beams: list[int], queue):
     from seq2seq.evaluation.scoring import score
 
     translator = Translator.load(model, device="cpu", shortlist=shortlist)
