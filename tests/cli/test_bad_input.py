@@ -223,6 +223,16 @@ CASES = {
                                                      "int3"],
                                           lambda w: ["--quantization", "int3"], not_created=lambda w: [w.root / "e"]),
     "serve a missing model": Case(lambda w: ["serve", w.missing], lambda w: [str(w.missing), "no such checkpoint"]),
+    "serve with a missing shortlist": Case(lambda w: ["serve", w.checkpoint, "--shortlist", w.missing],
+                                           lambda w: [str(w.missing), "unreadable shortlist"]),
+    "export with a shortlist of another vocabulary": Case(
+        lambda w: ["export", w.checkpoint, "-o", w.root / "e2", "--shortlist", w.file],
+        lambda w: [f"{w.file}:1: expected 'source piece<TAB>target pieces'"], not_created=lambda w: [w.root / "e2"]),
+    "shortlist --src without --tgt": Case(lambda w: ["shortlist", w.checkpoint, "-o", w.root / "l", "--src", w.file],
+                                          lambda w: ["--src and --tgt go together"], not_created=lambda w: [w.root / "l"]),
+    "distill a config without a distill section": Case(
+        lambda w: ["distill", w.config, "--run-dir", w.root / "dd"],
+        lambda w: [str(w.config), "no distill section"], not_created=lambda w: [w.root / "dd"]),
     "demo --config missing": Case(lambda w: ["demo", "--config", w.missing, "--run-dir", w.root / "d"],
                                   lambda w: [str(w.missing), "config file not found"]),
 }  # fmt: skip

@@ -36,7 +36,8 @@ def assert_user_error(result, *fragments: str) -> None:
 def test_help_lists_every_command_with_examples():
     result = invoke("--help")
     assert result.exit_code == 0
-    for command in ("tokenizer", "train", "translate", "eval", "export", "serve", "demo", "average", "plot"):
+    for command in ("tokenizer", "train", "translate", "eval", "export", "serve", "demo", "average", "plot",
+                    "shortlist", "distill"):  # fmt: skip
         assert command in result.output
     for command in (
         ["train"],
@@ -48,6 +49,8 @@ def test_help_lists_every_command_with_examples():
         ["demo"],
         ["export"],
         ["serve"],
+        ["shortlist"],
+        ["distill"],
     ):
         sub = invoke(*command, "--help")
         assert sub.exit_code == 0 and "Example" in sub.output
