@@ -228,8 +228,9 @@ CASES = {
     "export with a shortlist of another vocabulary": Case(
         lambda w: ["export", w.checkpoint, "-o", w.root / "e2", "--shortlist", w.file],
         lambda w: [f"{w.file}:1: expected 'source piece<TAB>target pieces'"], not_created=lambda w: [w.root / "e2"]),
-    "shortlist --src without --tgt": Case(lambda w: ["shortlist", w.checkpoint, "-o", w.root / "l", "--src", w.file],
-                                          lambda w: ["--src and --tgt go together"], not_created=lambda w: [w.root / "l"]),
+    "shortlist --src without --tgt": Case(
+        lambda w: ["shortlist", w.checkpoint, "-o", w.root / "l", "--src", w.file],
+        lambda w: ["--src and --tgt go together"], not_created=lambda w: [w.root / "l"]),
     "distill a config without a distill section": Case(
         lambda w: ["distill", w.config, "--run-dir", w.root / "dd"],
         lambda w: [str(w.config), "no distill section"], not_created=lambda w: [w.root / "dd"]),
