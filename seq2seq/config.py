@@ -239,8 +239,8 @@ class DistillConfig:
     translates the training sources, the student (this config's tokenizer, model and train
     sections) learns from its outputs, and ships small: a shortlist, a quantized export."""
 
-    teacher: tuple[str, ...] = setting((), "the teacher: a list of checkpoints (.pt or run directories); several "
-                                           "translate as an ensemble")  # fmt: skip
+    teacher: tuple[str, ...] = setting((), "the teacher: a list of checkpoints (.pt or run directories; several "
+                                           "translate as an ensemble), or one exported directory")  # fmt: skip
     beam: int = setting(5, "the teacher's beam", AT_LEAST_ONE)
     nbest: int = setting(1, "targets per source: the teacher's n best (or n draws), each a training pair", AT_LEAST_ONE)
     sample: bool = setting(False, "targets drawn from the teacher (its decode section's top_k/top_p) instead of beam")

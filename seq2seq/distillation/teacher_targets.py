@@ -20,6 +20,7 @@ from seq2seq.config import Config
 from seq2seq.data.prepare import read_split
 from seq2seq.errors import UserInputError
 from seq2seq.files import write_text_atomic
+from seq2seq.inference.engine import EXPORT_METADATA
 from seq2seq.inference.translator import Translator
 from seq2seq.progress import progress_bar
 
@@ -36,13 +37,15 @@ class DistilledCorpus:
 
 
 def teacher_paths(config: Config) -> list[Path]:
-    """The teacher's checkpoint files; one that is missing is named by its key, before any work."""
+    """The teacher's checkpoint files, or its exported directory (CTranslate2 translates the corpus
+    faster); one that is missing is named by its key, before any work."""
     paths = []
     for index, given in enumerate(config.distill.teacher):
         path = Path(given)
         if not path.exists():
             raise UserInputError(f"distill.teacher[{index}]: {given}: file not found; expected a checkpoint")
-        paths.append(run_checkpoint(path) if path.is_dir() else path)
+        exported = (path / EXPORT_METADATA).is_file()
+        paths.append(run_checkpoint(path) if path.is_dir() and not exported else path)
     return paths
 
 
@@ -106,9 +109,11 @@ def _chunk_path(work: Path, start: int, size: int) -> Path:
 
 
 def _digest(path: Path) -> str:
-    """The content of a checkpoint, as a sha256."""
+    """The content of a checkpoint (or of every file of an exported directory), as a sha256."""
     digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(DIGEST_BLOCK):
-            digest.update(block)
+    for file in sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]:
+        digest.update(file.relative_to(path).as_posix().encode() if path.is_dir() else b"")
+        with open(file, "rb") as handle:
+            while block := handle.read(DIGEST_BLOCK):
+                digest.update(block)
     return digest.hexdigest()

@@ -4,6 +4,7 @@ in any stage and started again ends with the same student and export; a bad sect
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -154,3 +155,17 @@ def test_a_bad_distill_section_is_one_line_before_any_work(student_config, tmp_p
     errors = [line for line in result.output.splitlines() if line.startswith("error")]
     assert len(errors) == 1 and fragment in errors[0], result.output
     assert not run_dir.exists()
+
+
+def test_an_exported_teacher_writes_the_targets_its_checkpoint_writes(uninterrupted, student_config, tmp_path):
+    """CTranslate2 translates the corpus faster; the float32 export runs the checkpoint's search."""
+    config = load_config(student_config)
+    exported = tmp_path / "teacher-ct2"
+    export_module.export_checkpoint(Path(config.distill.teacher[0]), exported)
+    config = dataclasses.replace(config, distill=dataclasses.replace(config.distill, teacher=(str(exported),)))
+    corpus = teacher_targets.distilled_corpus(config, tmp_path / "run", progress=False)
+    [work] = uninterrupted.glob("teacher-*")
+    ours = (work / "train.tgt").read_text().splitlines()
+    theirs = corpus.tgt.read_text().splitlines()
+    assert corpus.tgt.parent.name != work.name  # another teacher: another folder
+    assert len(theirs) == len(ours) and sum(a == b for a, b in zip(ours, theirs)) >= 0.97 * len(ours)
