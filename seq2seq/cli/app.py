@@ -31,15 +31,17 @@ RunDirOption = Annotated[
     Optional[Path],  # noqa: UP045
     typer.Option("--run-dir", help="Run directory [default: runs/<config name>].", show_default=False),
 ]
-ShortlistOption = Annotated[
-    Optional[Path],  # noqa: UP045
-    typer.Option(
-        "--shortlist",
-        help="Hold each output to its source's shortlist (a file from `seq2seq shortlist`; checkpoints only: "
-        "an export carries its own).",
-        show_default=False,
-    ),
-]
+
+
+def shortlist_option(help: str):
+    """--shortlist FILE, as a command uses it (`help`)."""
+    return Annotated[Optional[Path], typer.Option("--shortlist", help=help, show_default=False)]  # noqa: UP045
+
+
+ShortlistOption = shortlist_option(
+    "Hold each output to its source's shortlist (a file from `seq2seq shortlist`; checkpoints only: "
+    "an export carries its own)."
+)
 
 
 def _version(value: bool) -> None:

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from seq2seq.cli.app import SetOption, ShortlistOption, app
+from seq2seq.cli.app import SetOption, ShortlistOption, app, shortlist_option
 from seq2seq.cli.boundary import user_errors
 from seq2seq.deploy.requests import Limits
 from seq2seq.errors import UserInputError
@@ -72,15 +72,10 @@ def export(
         float, typer.Option("--max-bleu-drop", min=0.0, help="Quantized exports: the BLEU the gate lets go.")
     ] = 1.0,
     max_positions: MaxPositionsOption = None,
-    shortlist: Annotated[
-        Optional[Path],  # noqa: UP045
-        typer.Option(
-            "--shortlist",
-            help="A file from `seq2seq shortlist` the export decodes over (CTranslate2's "
-            "vocabulary map); the gate checks it against the checkpoint with the same shortlist.",
-            show_default=False,
-        ),
-    ] = None,
+    shortlist: shortlist_option(
+        "A file from `seq2seq shortlist` the export decodes over (CTranslate2's vocabulary map); the gate "
+        "checks it against the checkpoint with the same shortlist."
+    ) = None,
 ) -> None:
     """Export a checkpoint as a CTranslate2 model, through a parity gate that decodes with both.
 
