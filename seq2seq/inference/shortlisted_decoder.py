@@ -46,9 +46,6 @@ class ShortlistedDecoder:
         self.blocked: Tensor | None = None  # (B, U) True where a sentence's own list lacks the id
         self.weight: Tensor | None = None  # (U, d) the output layer's rows for the union, when the model has one
 
-    def parameters(self):
-        return self.model.parameters()
-
     def encode(self, src: Tensor, src_mask: Tensor) -> Tensor:
         """The model's encoding; decides each sentence's list from its source ids."""
         repeats = src.size(0) // max(1, len(self.extra))
