@@ -189,33 +189,11 @@ def _gpu_attention_backends(query_length: int, key_length: int) -> list[SDPBacke
     return FUSED_ATTENTION_BACKENDS
 
 
-def stacked(x: Tensor, projections: list[torch.nn.Linear], rows: Rows) -> Tensor:
-    """The projections of the flat rows x (rows.padded, d) as one product, side by side: (B, T, n * d),
-    in the dtype attention computes in (fp32 for bf16 on a CPU: see _cpu_bf16_attention), so that
-    one layout change and at most one cast serve all of them."""
-    weight = torch.cat([projection.weight for projection in projections])
-    bias = torch.cat([projection.bias for projection in projections])
-    out = rows.unflatten(F.linear(x, weight, bias))
-    return out.float() if out.device.type == "cpu" and out.dtype == torch.bfloat16 else out
-
-
-def attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    mask: Tensor | None,
-    is_causal: bool,
-    dropout_p: float,
-    out_dtype: torch.dtype | None = None,
-) -> Tensor:
+def attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, is_causal: bool, dropout_p: float) -> Tensor:
     """softmax(q k^T / sqrt(head_dim)) v for q (B, h, Tq, hd) and k, v (B, h, Tk, hd), with the kernel
-    this device and precision run best; mask broadcasts to (B, h, Tq, Tk), True = may attend.
-    `out_dtype`: the stack's dtype, when q, k, v come from `stacked` (default: theirs)."""
-    if q.device.type == "cpu" and torch.bfloat16 in (q.dtype, out_dtype):
-        return _cpu_bf16_attention(q, k, v, mask=mask, is_causal=is_causal, dropout_p=dropout_p).to(
-            out_dtype or q.dtype
-        )
+    this device and precision run best; mask broadcasts to (B, h, Tq, Tk), True = may attend."""
+    if q.device.type == "cpu" and q.dtype == torch.bfloat16:
+        return _cpu_bf16_attention(q, k, v, mask=mask, is_causal=is_causal, dropout_p=dropout_p)
     backends = _gpu_attention_backends(q.size(-2), k.size(-2)) if q.device.type == "cuda" else FUSED_ATTENTION_BACKENDS
     with sdpa_kernel(backends, set_priority=q.device.type == "cuda"):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
@@ -224,8 +202,7 @@ def attention(
 def _cpu_bf16_attention(
     q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, is_causal: bool, dropout_p: float
 ) -> Tensor:
-    """Attention of bf16 q, k, v on a CPU (or of their fp32 copies, from `stacked`), computed in fp32
-    and returned in v's dtype.
+    """Attention of bf16 q, k, v on a CPU, computed in fp32 and returned in bf16.
 
     In fp32 because PyTorch's fused CPU kernel is slower in bf16, and a bf16 batched matmul makes
     oneDNN compile and keep a kernel for every (batch, length, length) shape it meets, which change

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from seq2seq.config import ModelConfig
 from seq2seq.model.dropout import Dropout
-from seq2seq.model.execution import LayerCache, Memory, Rows, attention, probabilities, stacked
+from seq2seq.model.execution import LayerCache, Memory, Rows, attention, probabilities
 
 
 class MultiHeadAttention(nn.Module):
@@ -39,34 +39,6 @@ class MultiHeadAttention(nn.Module):
     def project_kv(self, x: Tensor, rows: Rows) -> tuple[Tensor, Tensor]:
         """Keys and values (B, h, T, hd) of the flat rows x (rows.padded, d)."""
         return self.split_heads(rows.unflatten(self.k_proj(x))), self.split_heads(rows.unflatten(self.v_proj(x)))
-
-    def attend_all(
-        self,
-        query: Tensor,
-        rows: Rows,
-        source: Tensor | None,
-        source_rows: Rows | None = None,
-        *,
-        mask: Tensor | None,
-        is_causal: bool = False,
-    ) -> Tensor:
-        """Attention without a cache (training, the encoder): the flat rows `query` attend to the flat
-        rows `source` (None: to themselves), as `attend` computes it, with the projections that read
-        the same rows taken as one product (q, k, v; or k, v) and laid out for attention once."""
-        projections = [self.q_proj, self.k_proj, self.v_proj]
-        if source is None:  # self-attention: (B, T, 3, h, hd) -> q, k, v
-            q, k, v = self._heads(stacked(query, projections, rows), 3)
-        else:
-            q = self._heads(stacked(query, projections[:1], rows), 1)[0]
-            k, v = self._heads(stacked(source, projections[1:], source_rows), 2)
-        dropout_p = self.dropout if self.training else 0.0
-        out = attention(q, k, v, mask=mask, is_causal=is_causal, dropout_p=dropout_p, out_dtype=query.dtype)
-        return self.out_proj(rows.flatten(out.transpose(1, 2)))
-
-    def _heads(self, x: Tensor, parts: int) -> tuple[Tensor, ...]:
-        """(B, T, parts * d) -> `parts` tensors (B, h, T, hd)."""
-        batch, length, width = x.shape
-        return x.view(batch, length, parts, self.heads, width // parts // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
 
     def attend(
         self, query: Tensor, rows: Rows, k: Tensor, v: Tensor, *, mask: Tensor | None, is_causal: bool = False
@@ -138,7 +110,7 @@ class EncoderLayer(nn.Module):
         """x (rows.padded, d), flat (B, S) positions; src_mask (B, 1, 1, S), True on real tokens."""
 
         def self_attention(h: Tensor) -> Tensor:
-            return self.self_attn.attend_all(h, rows, None, mask=src_mask)
+            return self.self_attn.attend(h, rows, *self.self_attn.project_kv(h, rows), mask=src_mask)
 
         x = self.self_attn_block(x, self_attention)
         return self.ffn_block(x, self.ffn)
@@ -175,22 +147,22 @@ class DecoderLayer(nn.Module):
         return self.cross_attn.weights(query, rows, k, src_mask)
 
     def _self_attention(self, h: Tensor, rows: Rows, cache: LayerCache | None) -> Tensor:
+        k, v = self.self_attn.project_kv(h, rows)
         if cache is None:  # teacher forcing: the whole prefix at once, the future masked
-            return self.self_attn.attend_all(h, rows, None, mask=None, is_causal=True)
-        k, v, mask = cache.extend(*self.self_attn.project_kv(h, rows))
+            return self.self_attn.attend(h, rows, k, v, mask=None, is_causal=True)
+        k, v, mask = cache.extend(k, v)
         return self.self_attn.attend(h, rows, k, v, mask=mask)
 
     def _cross_attention(
         self, h: Tensor, rows: Rows, memory: Memory, src_mask: Tensor, cache: LayerCache | None
     ) -> Tensor:
-        # beams of one sentence share its encoder output: they attend to it as one sentence
-        if cache is None:  # teacher forcing
-            query_rows = rows.per_sentence(memory.rows.batch)
-            return self.cross_attn.attend_all(h, query_rows, memory.flat, memory.rows, mask=src_mask)
         k, v = self._memory_kv(memory, cache)
+        # beams of one sentence share its encoder output: they attend to it as one sentence
         return self.cross_attn.attend(h, rows.per_sentence(k.size(0)), k, v, mask=src_mask)
 
-    def _memory_kv(self, memory: Memory, cache: LayerCache) -> tuple[Tensor, Tensor]:
+    def _memory_kv(self, memory: Memory, cache: LayerCache | None) -> tuple[Tensor, Tensor]:
+        if cache is None:
+            return self.cross_attn.project_kv(memory.flat, memory.rows)
         if cache.cross_k is None:  # computed once per sentence, reused at every step
             cache.cross_k, cache.cross_v = self.cross_attn.project_kv(memory.flat, memory.rows)
         return cache.cross_k, cache.cross_v
