@@ -80,7 +80,9 @@ def _translate_in_chunks(
     config: Config, teachers: list[Path], sources: list[str], work: Path, *, progress: bool
 ) -> list[list[str]]:
     """Per source line, the teacher's nbest targets; chunk k (lines k*chunk_lines ...) is saved in
-    work/chunk-k.json once translated, and read back instead of translated again."""
+    work/chunk-k.json once translated, and read back instead of translated again. A source longer
+    than data.max_length pieces (the teacher's) gets none: the student would not train on it, and a
+    runaway line (a whole chapter aligned as one verse) would cost more than the rest together."""
     distill = config.distill
     size = distill.chunk_lines
     starts = range(0, len(sources), size)
@@ -93,8 +95,11 @@ def _translate_in_chunks(
                 translator = Translator.load(teachers)
                 decode = translator.settings(beam=distill.beam, nbest=distill.nbest, sample=distill.sample)
             lines = sources[start : start + size]
-            found = translator.translate_with(lines, decode, line_numbers=list(range(start, start + len(lines))))
-            texts = [[text for text, _ in translation.nbest] for translation in found]
+            kept = [i for i, n in enumerate(translator.source_lengths(lines)) if n <= config.data.max_length + 1]
+            found = translator.translate_with([lines[i] for i in kept], decode, line_numbers=[start + i for i in kept])
+            texts = [[] for _ in lines]
+            for i, translation in zip(kept, found):
+                texts[i] = [text for text, _ in translation.nbest]
             write_text_atomic(_chunk_path(work, start, size), json.dumps(texts, ensure_ascii=False))
             bar.update(len(lines))
     return [

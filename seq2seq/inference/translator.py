@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from seq2seq.config_files import decode_config_from, decode_config_with
+from seq2seq.data.sources import normalize
 from seq2seq.decoding import DecodeConfig, refusals
 from seq2seq.errors import UserInputError
 from seq2seq.inference.admission import LinePlan, Names, plan_scoring, plan_translation, unspellable
@@ -164,6 +165,11 @@ class Translator:
         """Each line's pieces, length limit and hypotheses (admission.py), or UserInputError naming a
         line the engine cannot translate whole, or guidance its vocabulary cannot spell."""
         return plan_translation(self._engine, lines, decode, prefixes=prefixes, constraints=constraints, names=names)
+
+    def source_lengths(self, lines: list[str]) -> list[int]:
+        """Each line's source pieces with the end of sentence the encoder reads."""
+        encoded = self._engine.source_model.encode([normalize(line) for line in lines], add_eos=True)
+        return [len(ids) for ids in encoded]
 
     def plan_scoring(self, sources: list[str], targets: list[str], *, names: Names = Names()) -> list[LinePlan]:
         return plan_scoring(self._engine, sources, targets, names=names)

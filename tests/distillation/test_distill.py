@@ -169,3 +169,16 @@ def test_an_exported_teacher_writes_the_targets_its_checkpoint_writes(uninterrup
     theirs = corpus.tgt.read_text().splitlines()
     assert corpus.tgt.parent.name != work.name  # another teacher: another folder
     assert len(theirs) == len(ours) and sum(a == b for a, b in zip(ours, theirs)) >= 0.97 * len(ours)
+
+
+def test_a_source_longer_than_the_length_limit_is_not_translated(student_config, tmp_path):
+    """The student would not train on it, and one runaway line can cost more than the corpus."""
+    config = load_config(student_config, ["data.max_length=12"])
+    corpus = teacher_targets.distilled_corpus(config, tmp_path / "run", progress=False)
+    teacher = Translator.load(config.distill.teacher[0])
+    sources = corpus.src.read_text().splitlines()
+    everything = (Path(config.data.train.src)).read_text().splitlines()
+    assert 0 < len(sources) < len(everything)
+    assert max(teacher.source_lengths(sources)) <= 13  # 12 pieces and the end of sentence
+    longer = [line for line in everything if teacher.source_lengths([line])[0] > 13]
+    assert longer and not set(longer) & set(sources)
