@@ -11,6 +11,7 @@ import typer
 
 from seq2seq.cli.app import SetOption, ShortlistOption, app, shortlist_option
 from seq2seq.cli.boundary import user_errors
+from seq2seq.config import SHORTLIST_FREQUENT, SHORTLIST_PER_SOURCE
 from seq2seq.deploy.requests import Limits
 from seq2seq.errors import UserInputError
 
@@ -203,9 +204,10 @@ def shortlist(
     src: Annotated[Optional[Path], typer.Option("--src", help="Source sentences [default: the training split]."  # noqa: UP045
                                                 ,show_default=False)] = None,
     tgt: Annotated[Optional[Path], typer.Option("--tgt", help="Their translations.", show_default=False)] = None,  # noqa: UP045
-    per_source: Annotated[int, typer.Option("--per-source", min=1, help="Target pieces kept per source piece.")] = 50,
+    per_source: Annotated[int, typer.Option("--per-source", min=1, help="Target pieces kept per source piece.")
+                          ] = SHORTLIST_PER_SOURCE,
     frequent: Annotated[int, typer.Option("--frequent", min=0, help="Most frequent target pieces always allowed.")
-                        ] = 100,
+                        ] = SHORTLIST_FREQUENT,
 ) -> None:  # fmt: skip
     """Build a lexical shortlist: for each source piece the target pieces most associated with it in
     parallel text, and the most frequent target pieces (Marian's --shortlist, CTranslate2's vocabulary map).
