@@ -21,7 +21,7 @@ from pathlib import Path
 
 from seq2seq.config_files import load_config
 from seq2seq.data.prepare import read_split
-from seq2seq.distillation.report import ModelRun
+from seq2seq.distillation.report import ModelRun, compare, table
 from seq2seq.evaluation.evaluate import translate_and_score
 from seq2seq.inference.translator import Translator
 
@@ -32,6 +32,8 @@ def main() -> int:
     parser.add_argument("--run-dir", type=Path, required=True)
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--originals", type=Path, required=True, help="the same student trained on the originals")
+    parser.add_argument("--teacher-checkpoint", type=Path, help="also time the teacher as this checkpoint (when "
+                        "distill.teacher is its export)")  # fmt: skip
     args = parser.parse_args()
     command = [sys.executable, "-m", "seq2seq", "--quiet", "distill", str(args.config), "--run-dir", str(args.run_dir)]
     for item in args.overrides:
@@ -47,6 +49,12 @@ def main() -> int:
     print(f"shipped student: {student.lines_per_second / teacher.lines_per_second:.2f}x the teacher's lines/s "
           f"(target >= 5x), BLEU {student.bleu - teacher.bleu:+.2f} (target >= -1.0)\n")  # fmt: skip
     config = load_config(args.config, args.overrides)
+    if args.teacher_checkpoint:
+        shipped = args.run_dir / f"student-{config.distill.quantization}"
+        runs = compare(config, [args.teacher_checkpoint], shipped, args.run_dir / "report-checkpoint",
+                       teacher_beam=config.distill.beam)  # fmt: skip
+        print(f"The teacher as its checkpoint ({args.teacher_checkpoint}), beam {config.distill.beam}:\n")
+        print(table(runs) + "\n")
     test = read_split(config.data, "test")
     print("The same student (checkpoint, its decode settings), trained for the same updates on:\n")
     print("| targets | test BLEU | chrF |")
