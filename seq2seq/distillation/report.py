@@ -72,11 +72,14 @@ def _size(paths: list[Path]) -> float:
 
 def table(runs: list[ModelRun]) -> str:
     """The comparison as a Markdown table, the student's ratios to the teacher last."""
-    rows = ["| model | BLEU | chrF | lines/s (whole process) | MB on disk |", "|---|---|---|---|---|"]
-    rows += [f"| {r.name} | {r.bleu:.2f} | {r.chrf:.2f} | {r.lines_per_second:.1f} | {r.megabytes:.1f} |" for r in runs]
+    rows = ["| model | run as | BLEU | chrF | lines/s (whole process) | MB on disk |", "|---|---|---|---|---|---|"]
+    rows += [
+        f"| {r.name} | `{r.command}` | {r.bleu:.2f} | {r.chrf:.2f} | {r.lines_per_second:.1f} | {r.megabytes:.1f} |"
+        for r in runs
+    ]
     teacher, student = runs
     rows.append(
-        f"| student vs teacher | {student.bleu - teacher.bleu:+.2f} | {student.chrf - teacher.chrf:+.2f} | "
+        f"| student vs teacher | | {student.bleu - teacher.bleu:+.2f} | {student.chrf - teacher.chrf:+.2f} | "
         f"{student.lines_per_second / teacher.lines_per_second:.2f}x | "
         f"{student.megabytes / teacher.megabytes:.2f}x |"
     )
