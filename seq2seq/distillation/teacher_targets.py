@@ -59,6 +59,7 @@ def distilled_corpus(config: Config, folder: Path, *, progress: bool) -> Distill
         "beam": distill.beam,
         "nbest": distill.nbest,
         "sample": distill.sample,
+        "max_length": config.data.max_length,  # longer sources are not translated
         "sources": hashlib.sha256("\n".join(corpus.src).encode("utf-8")).hexdigest(),
     }
     work = folder / f"teacher-{hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:16]}"
@@ -66,14 +67,14 @@ def distilled_corpus(config: Config, folder: Path, *, progress: bool) -> Distill
     write_text_atomic(work / "identity.json", json.dumps(identity, indent=2) + "\n")
     targets = _translate_in_chunks(config, teachers, corpus.src, work, progress=progress)
     suffix = "-originals" if distill.originals else ""
-    merged = DistilledCorpus(work / f"train{suffix}.src", work / f"train{suffix}.tgt", 0)
+    src_path, tgt_path = work / f"train{suffix}.src", work / f"train{suffix}.tgt"
     pairs = [(src, tgt) for index, src in enumerate(corpus.src) for tgt in targets[index] if tgt.strip()]
     if distill.originals:
         pairs += list(zip(corpus.src, corpus.tgt))
-    if not (merged.src.is_file() and merged.tgt.is_file()):
-        write_text_atomic(merged.src, "".join(src + "\n" for src, _ in pairs))
-        write_text_atomic(merged.tgt, "".join(tgt + "\n" for _, tgt in pairs))
-    return DistilledCorpus(merged.src, merged.tgt, len(pairs))
+    if not (src_path.is_file() and tgt_path.is_file()):
+        write_text_atomic(src_path, "".join(src + "\n" for src, _ in pairs))
+        write_text_atomic(tgt_path, "".join(tgt + "\n" for _, tgt in pairs))
+    return DistilledCorpus(src_path, tgt_path, len(pairs))
 
 
 def _translate_in_chunks(
