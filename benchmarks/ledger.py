@@ -24,6 +24,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -56,7 +57,7 @@ def machine() -> dict:
     found = {"cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version()}
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name(0)
-        return {**found, "kind": f"GPU {name}", "gpu": name, "cuda": torch.version.cuda}
+        return {**found, "kind": f"GPU {name}", "gpu": name, "cuda": torch.version.cuda, "driver": _gpu_driver()}
     model, flags = platform.processor() or "unknown CPU", set()
     with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
         for line in cpuinfo:
@@ -68,6 +69,14 @@ def machine() -> dict:
     isa = [flag for flag in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if flag in flags]
     kind = next((label for flag, label in KINDS.items() if flag in flags), "CPU without AVX2")
     return {**found, "kind": kind, "cpu": model, "isa": isa}
+
+
+def _gpu_driver() -> str:
+    """The NVIDIA driver's version (a GPU figure is compared only under the same driver), or "unknown"."""
+    with contextlib.suppress(OSError, subprocess.SubprocessError, IndexError):
+        query = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+        return subprocess.run(query, capture_output=True, text=True, timeout=30).stdout.split()[0]
+    return "unknown"
 
 
 def describe_machine() -> str:
@@ -106,7 +115,7 @@ def run(script: str, arguments: list[str]) -> Path:
         output.append(line)
     if process.wait():
         raise SystemExit(f"error: {script} exited with {process.returncode}; nothing recorded")
-    command_line = " ".join(["python", f"benchmarks/{script}", *arguments])
+    command_line = shlex.join(["python", f"benchmarks/{script}", *arguments])  # as a shell would take it back
     return record(Path(script).stem, "".join(output), command=command_line, commit=measured)
 
 

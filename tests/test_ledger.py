@@ -77,6 +77,18 @@ def test_a_run_is_stamped_with_the_commit_it_started_from(tmp_path, monkeypatch)
     assert result["tables"] == [[{"a": "1", "b": "2"}]]
 
 
+def test_a_runs_command_runs_again_as_recorded(tmp_path, monkeypatch):
+    """An argument with a space ("ours bf16") is recorded quoted, so the command can be pasted back."""
+    import shlex
+
+    monkeypatch.setattr(ledger, "RESULTS", tmp_path)
+    monkeypatch.setattr(ledger, "HERE", tmp_path)
+    (tmp_path / "benchmark_tiny.py").write_text("import sys\nprint(sys.argv[1:])\n")
+    result = json.loads(ledger.run("benchmark_tiny.py", ["--sides", "ours bf16", "ours fp32"]).read_text())
+    assert shlex.split(result["command"])[2:] == ["--sides", "ours bf16", "ours fp32"]
+    assert result["output"] == "['--sides', 'ours bf16', 'ours fp32']\n"
+
+
 def test_of_two_results_of_one_day_the_later_is_the_latest(tmp_path, monkeypatch):
     monkeypatch.setattr(ledger, "RESULTS", tmp_path)
     monkeypatch.setattr(ledger, "revision", lambda: "same123")
