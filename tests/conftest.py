@@ -89,13 +89,14 @@ def _seed():
 
 
 def _trained(tmp_path_factory, demo_pairs, name: str, steps: int) -> tuple[Path, Path]:
-    """(last.pt of the tiny config after `steps` steps, its data folder)."""
+    """(last.pt of the tiny config after `steps` steps, its data folder). Trained on the CPU, so that
+    every machine, a GPU one too, tests the same model (a GPU's rounding trains another)."""
     root = tmp_path_factory.mktemp(name)
     data = root / "data"
     data.mkdir()
     for split, pairs in demo_pairs.items():
         write_pairs(data, split, pairs)
-    make_trainer(root, data, max_steps=steps, valid_every=steps, save_every=steps, log_every=steps).run()
+    make_trainer(root, data, device="cpu", max_steps=steps, valid_every=steps, save_every=steps, log_every=steps).run()
     return root / "run" / "checkpoints" / "last.pt", data
 
 

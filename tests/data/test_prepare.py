@@ -92,7 +92,9 @@ def test_sampled_segmentations_are_seeded_cached_and_taken_in_turn_by_epochs(tin
         assert [tokenizer.decode_tgt(variant.tgt[i].tolist()) for i in range(50)] == texts
     differing = [sum(not np.array_equal(a.tgt[i], b.tgt[i]) for i in range(200))
                  for a, b in [(plain, data.variants[0]), (data.variants[0], data.variants[1])]]  # fmt: skip
-    assert min(differing) > 20, differing  # sampled: many segmentations differ from the plain one and each other
+    # sampled: many segmentations differ from the plain one and each other (18 to 33 of 200 lines at
+    # alpha 0.2, by sentencepiece version; an unsampled variant differs in none)
+    assert min(differing) > 10, differing
     again = prepare.encode_training_split(dataclasses.replace(config, cache_dir=""), tokenizer, sampled_seed=5001)
     assert np.array_equal(again.src.ids, data.variants[1].src.ids)  # seed 1000 * 5 + 1, encoded anew
     assert np.array_equal(again.tgt.ids, data.variants[1].tgt.ids)

@@ -85,14 +85,14 @@ def test_auto_takes_bf16_only_on_gpus_with_bf16_arithmetic(monkeypatch, capabili
 def test_a_resumed_run_keeps_the_precision_it_started_with(tmp_path, tiny_data, monkeypatch, caplog):
     """The probe is noisy and the machine may have changed: auto is decided once, when the run starts."""
     pretend_cpu(monkeypatch, onednn_bf16=False, bf16=1.0)
-    make_trainer(tmp_path, tiny_data, precision="auto", max_steps=2, save_every=2, valid_every=100).run()
+    make_trainer(tmp_path, tiny_data, device="cpu", precision="auto", max_steps=2, save_every=2, valid_every=100).run()
     pretend_cpu(monkeypatch, onednn_bf16=True, bf16=900.0)  # now bf16 would win
     from seq2seq.config_files import config_from_dict
     from seq2seq.training.trainer import Trainer
 
     from ..conftest import tiny_config_dict
 
-    raw = tiny_config_dict(tiny_data, precision="auto", max_steps=4, save_every=2, valid_every=100)
+    raw = tiny_config_dict(tiny_data, device="cpu", precision="auto", max_steps=4, save_every=2, valid_every=100)
     resumed = Trainer(config_from_dict(raw, origin="test"), tmp_path / "run", resume=True, show_progress=False)
     with caplog.at_level(logging.INFO, logger="seq2seq.training.trainer"):
         result = resumed.run()
@@ -104,7 +104,9 @@ def test_a_resumed_run_keeps_the_precision_it_started_with(tmp_path, tiny_data, 
 
 def test_a_run_logs_and_records_the_precision_it_chose(tmp_path, tiny_data, monkeypatch, caplog):
     pretend_cpu(monkeypatch, onednn_bf16=False, bf16=1.0)
-    trainer = make_trainer(tmp_path, tiny_data, precision="auto", max_steps=2, save_every=2, valid_every=100)
+    trainer = make_trainer(
+        tmp_path, tiny_data, device="cpu", precision="auto", max_steps=2, save_every=2, valid_every=100
+    )
     with caplog.at_level(logging.INFO, logger="seq2seq.training.trainer"):
         result = trainer.run()
     assert trainer.config.train.precision == "fp32"
