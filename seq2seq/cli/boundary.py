@@ -93,6 +93,20 @@ def _describe_os_error(error: OSError) -> str:
     return f"{path}: {error.strerror or type(error).__name__}; {expected}"
 
 
+# The optional extras (pyproject.toml) by the top-level modules they bring: a command that needs one
+# that is not installed says which to install, as bad set-up rather than a bug.
+EXTRAS = {"ctranslate2": "export", "fastapi": "serve", "starlette": "serve", "uvicorn": "serve"}
+
+
+def _missing_extra(error: ModuleNotFoundError) -> str | None:
+    """One line for a missing optional package (what to install), or None for any other import failure."""
+    module = (error.name or "").partition(".")[0]
+    extra = EXTRAS.get(module)
+    if extra is None:
+        return None
+    return f"{module} is not installed; this command needs seq2seq's [{extra}] extra: pip install 'seq2seq[{extra}]'"
+
+
 def user_errors(command):
     """The error boundary of every command: one line per problem, never a traceback (unless --debug)."""
 
@@ -115,6 +129,8 @@ def user_errors(command):
             code, lines = 1, [f"internal error: {type(error).__name__}: {error}"]
             if isinstance(error, UserInputError):
                 code, lines = 2, str(error).splitlines()
+            elif isinstance(error, ModuleNotFoundError) and _missing_extra(error):
+                code, lines = 2, [_missing_extra(error)]
             elif isinstance(error, OSError) and (
                 error.filename is not None or error.errno in (errno.ENOSPC, errno.EDQUOT)
             ):

@@ -275,6 +275,28 @@ def test_a_bug_is_one_line_with_exit_1_and_debug_shows_the_traceback(world: Path
     assert isinstance(debug.exception, ZeroDivisionError)  # re-raised: Python prints the traceback
 
 
+@pytest.mark.parametrize(
+    ("missing", "loaded", "command", "extra"),
+    [("ctranslate2", "seq2seq.deploy.export", ["export", "{checkpoint}", "-o", "{root}/exported"], "export"),
+     ("fastapi", "seq2seq.deploy.serve", ["serve", "{checkpoint}"], "serve")],
+)  # fmt: skip
+def test_a_missing_extra_is_one_line_naming_what_to_install(world: Paths, monkeypatch, missing, loaded, command, extra):
+    """Installed without [export] or [serve], the commands that need them say what to install (exit 2)
+    instead of reporting a bug in seq2seq."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, missing, None)  # `import ctranslate2` now raises ModuleNotFoundError
+    monkeypatch.delitem(sys.modules, loaded, raising=False)  # so that the command imports it afresh
+    args = [part.format(checkpoint=world.checkpoint, root=world.root) for part in command]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines() == [
+        f"error: {missing} is not installed; this command needs seq2seq's [{extra}] extra: "
+        f"pip install 'seq2seq[{extra}]'"
+    ]
+    assert not (world.root / "exported").exists()
+
+
 def test_version_and_completion():
     from importlib.metadata import version
 
