@@ -191,7 +191,10 @@ def render_page(ledger: dict[str, list[dict]]) -> str:
 
 def _machine_line(found: dict) -> str:
     where = found.get("gpu") or f"{found.get('cpu', '?')} ({' '.join(found.get('isa', [])) or 'no AVX2'})"
-    return f"{where}, {found.get('cores', '?')} cores, torch {found.get('torch', '?')}"
+    gpu_software = "".join(
+        f", {name} {found[key]}" for key, name in (("cuda", "CUDA"), ("driver", "driver")) if key in found
+    )
+    return f"{where}, {found.get('cores', '?')} cores, torch {found.get('torch', '?')}{gpu_software}"
 
 
 def _markdown(table: list[dict]) -> list[str]:
