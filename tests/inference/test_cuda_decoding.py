@@ -57,8 +57,10 @@ def test_prefixes_and_constraints_on_cuda_are_the_cpus(sides):
     greedy = [t.text for t in cpu.translate_nbest(lines, beam=1)]
     prefixes = [" ".join(text.split()[:2]) for text in greedy]  # continue a post-editor's first words
     constraints = [[text.split()[-1]] if text.split() else [] for text in greedy[::-1]]  # another line's word
-    checks = [({"prefixes": prefixes}, lambda text, i: text.startswith(prefixes[i])),
-              ({"constraints": constraints}, lambda text, i: all(phrase in text for phrase in constraints[i]))]  # fmt: skip
+    checks = [
+        ({"prefixes": prefixes}, lambda text, i: text.startswith(prefixes[i])),
+        ({"constraints": constraints}, lambda text, i: all(phrase in text for phrase in constraints[i])),
+    ]
     for guidance, holds in checks:
         on_cpu, on_gpu = nbest_lists(cpu, lines, beam=4, **guidance), nbest_lists(gpu, lines, beam=4, **guidance)
         assert_same_outputs(on_cpu, on_gpu)
