@@ -50,6 +50,11 @@ EXPORT_FORMAT_VERSION = 1
 LAYER_NORM_EPSILON = 1e-5  # torch.nn.LayerNorm's default, which our layers use
 
 
+# Quantizations that CTranslate2 computes only on a GPU (on a CPU it converts them to float32): the
+# parity gate decodes such an export on the GPU when there is one, so that it checks what users run.
+GPU_QUANTIZATIONS = ("float16", "bfloat16")
+
+
 class ExportFailed(Exception):
     """The exported model does not translate like the checkpoint; nothing was written."""
 
@@ -63,6 +68,7 @@ class ParityReport:
     ours: Scores
     exported: Scores
     max_bleu_drop: float
+    device: str = "cpu"  # where the export was decoded: float16 on a GPU where there is one
 
     @property
     def failures(self) -> list[str]:
@@ -81,8 +87,15 @@ class ParityReport:
         return (
             f"parity ({self.quantization}, {self.sentences} sentences): greedy outputs identical on "
             f"{self.identical_greedy:.1%}; beam {self.beam} BLEU {ours.bleu:.2f} -> {exported.bleu:.2f} "
-            f"({exported.bleu - ours.bleu:+.2f}), chrF {ours.chrf:.2f} -> {exported.chrf:.2f}"
+            f"({exported.bleu - ours.bleu:+.2f}), chrF {ours.chrf:.2f} -> {exported.chrf:.2f}{self._where()}"
         )
+
+    def _where(self) -> str:
+        if self.device != "cpu":
+            return f"; the export decoded on {self.device}"
+        if self.quantization in GPU_QUANTIZATIONS:  # CTranslate2 computes it in float32 on a CPU
+            return f"; no GPU here: the {self.quantization} export decoded in float32 on the CPU"
+        return ""
 
     def to_dict(self) -> dict:
         return {**dataclasses.asdict(self), "passed": not self.failures}
@@ -133,13 +146,15 @@ def export_checkpoint(
         _write_tokenizer_and_metadata(staging, checkpoint, quantization, positions)
         if shortlist is not None:
             shutil.copyfile(shortlist, staging / SHORTLIST_FILE)
+        device = "cuda" if quantization in GPU_QUANTIZATIONS and torch.cuda.is_available() else "cpu"
         report = parity(
             Translator.load(checkpoint_path, device="cpu", shortlist=shortlist),
-            Translator.load(staging),
+            Translator.load(staging, device=device),
             sources,
             references,
             quantization=quantization,
             max_bleu_drop=max_bleu_drop,
+            device=device,
         )
         if report.failures:
             raise ExportFailed(f"{report.describe()}\nexport refused: {'; '.join(report.failures)}")
@@ -176,6 +191,7 @@ def parity(
     *,
     quantization: str,
     max_bleu_drop: float,
+    device: str = "cpu",
 ) -> ParityReport:
     """Both engines on the same sentences and settings: greedy agreement and beam scores.
 
@@ -198,6 +214,7 @@ def parity(
         ours=translate_and_score(ours, sources, references, searched).scores,
         exported=translate_and_score(exported, sources, references, alone).scores,
         max_bleu_drop=max_bleu_drop,
+        device=device,
     )
 
 

@@ -158,6 +158,29 @@ def test_int8_export_reports_what_it_measured_and_refuses_a_real_drop(learned_ch
     assert "(allowed 1)" in result.stderr and not (tmp_path / "wrong").exists()
 
 
+def export_float16(learned_checkpoint, tmp_path) -> tuple[dict, str]:
+    """(the float16 export's parity record, what `seq2seq export` printed)."""
+    result = invoke("export", learned_checkpoint[0], "-o", tmp_path / "fp16", "--quantization", "float16")
+    assert result.exit_code == 0, result.output
+    return json.loads((tmp_path / "fp16" / EXPORT_METADATA).read_text())["parity"], result.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's case: this machine has a GPU")
+def test_a_float16_export_without_a_gpu_says_the_gate_checked_it_in_float32(learned_checkpoint, tmp_path):
+    parity, printed = export_float16(learned_checkpoint, tmp_path)
+    assert parity["passed"] and parity["device"] == "cpu"
+    assert "no GPU here: the float16 export decoded in float32 on the CPU" in printed
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_float16_export_is_gated_on_the_gpu_where_it_runs(learned_checkpoint, tmp_path):
+    """float16 is what CTranslate2 runs on a GPU: the gate decodes it there, in float16."""
+    parity, printed = export_float16(learned_checkpoint, tmp_path)
+    assert parity["passed"] and parity["device"] == "cuda" and "the export decoded on cuda" in printed
+    assert bleu_of(parity["ours"]) - bleu_of(parity["exported"]) <= 1.0
+
+
 def scrambled_spec(monkeypatch) -> None:
     """Exports whose every output row answers for its neighbour's token."""
     faithful = export_module.build_spec
