@@ -1,0 +1,64 @@
+#!/bin/bash
+# A GPU session in as few device calls as possible (docs/development.md, "On a lent GPU").
+#
+# Here, before the first call (the GPU machine reaches no package registry):
+#   bash benchmarks/gpu_session.sh wheels        # .whl/: the packages its image lacks, as this venv has them
+# There, in one call (each step bounded by its seconds; logs and ledger results under $OUT):
+#   bash benchmarks/gpu_session.sh setup suite train:64000 train:16000
+#
+# Steps: setup (the wheels into the image's Python, this checkout editable, CUDA 12's cuBLAS names
+# for CTranslate2's wheel on CUDA 13), suite (the whole suite across the cores, every GPU test
+# included), gpu (the GPU-marked tests alone), train:TOKENS (Transformer-base bf16, compiled, at
+# TOKENS a batch, into the ledger; its three compiles take about three minutes), decode (GPU
+# decoding against nn.Transformer and CTranslate2; needs runs/demo, carried).
+set -u
+OUT=${OUT:-/tmp/gpu_session}
+mkdir -p "$OUT"
+START=$SECONDS
+# The image has torch, numpy, sentencepiece, sacrebleu, typer, tqdm, pyyaml, matplotlib, pytest,
+# pytest-xdist, hypothesis and httpx; not these (fastapi needs opentelemetry-api).
+MISSING="ctranslate2 datasets dill multiprocess fastapi starlette pydantic pydantic_core annotated-types
+typing-inspection annotated-doc uvicorn opentelemetry-api typing_extensions"
+
+elapsed() { echo "[$((SECONDS - START)) s] $*"; }
+
+for step in "$@"; do
+  case $step in
+    wheels)
+      specs=$(for name in $MISSING; do
+        .venv/bin/python -m pip show "$name" 2>/dev/null | awk -v n="$name" '/^Version:/ {print n "==" $2}'
+      done)
+      python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux2014_x86_64 -d .whl $specs && du -sh .whl ;;
+    setup)
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/*.whl >"$OUT/setup.log" 2>&1
+      python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >>"$OUT/setup.log" 2>&1
+      cublas=$(python3 -c "import nvidia.cublas, pathlib; print(next(pathlib.Path(nvidia.cublas.__path__[0]).rglob('libcublas.so.13*')).parent)")
+      mkdir -p /tmp/cuda12 && for lib in libcublas libcublasLt; do ln -sf "$cublas/$lib.so.13" "/tmp/cuda12/$lib.so.12"; done
+      { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+        python3 -c "import torch, ctranslate2; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'ctranslate2', ctranslate2.__version__, ctranslate2.get_cuda_device_count(), 'GPU')"
+      } 2>&1 | tee "$OUT/machine.txt"
+      elapsed "setup" ;;
+    suite)
+      LD_LIBRARY_PATH=/tmp/cuda12:${LD_LIBRARY_PATH:-} timeout "${SUITE_SECONDS:-300}" \
+        python3 -m pytest -q -n 12 -p no:cacheprovider -rfE --durations=10 >"$OUT/suite.log" 2>&1
+      elapsed "suite: exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/suite.log" | tail -20 ;;
+    gpu)
+      LD_LIBRARY_PATH=/tmp/cuda12:${LD_LIBRARY_PATH:-} timeout "${GPU_SECONDS:-240}" \
+        python3 -m pytest -q -m gpu -p no:cacheprovider -rfE >"$OUT/gpu.log" 2>&1
+      elapsed "gpu tests: exit $?"; tail -5 "$OUT/gpu.log" ;;
+    train:*)
+      tokens=${step#train:}
+      PYTHONUNBUFFERED=1 timeout "${TRAIN_SECONDS:-300}" python3 benchmarks/ledger.py run benchmark_train.py \
+        --model base --max-tokens "$tokens" --compile --sides "ours bf16" --warmup 60 --steps 40 --threads 8 \
+        >"$OUT/train_$tokens.log" 2>&1
+      elapsed "train $tokens: exit $?"; grep "^|" "$OUT/train_$tokens.log" ;;
+    decode)
+      LD_LIBRARY_PATH=/tmp/cuda12:${LD_LIBRARY_PATH:-} timeout "${DECODE_SECONDS:-240}" \
+        python3 benchmarks/ledger.py run benchmark_decode.py --device cuda >"$OUT/decode.log" 2>&1
+      elapsed "decode: exit $?"; grep "^|" "$OUT/decode.log" ;;
+    *) echo "unknown step: $step (expected wheels, setup, suite, gpu, train:TOKENS or decode)" >&2; exit 2 ;;
+  esac
+done
+tar czf "$OUT/results.tgz" benchmarks/results/*/*gpu* 2>/dev/null
