@@ -10,7 +10,8 @@
 # for CTranslate2's wheel on CUDA 13), suite (the whole suite across the cores, every GPU test
 # included), gpu (the GPU-marked tests alone), train:TOKENS (Transformer-base bf16, compiled, at
 # TOKENS a batch, into the ledger; its three compiles take about three minutes), decode (GPU
-# decoding against nn.Transformer and CTranslate2; needs runs/demo, carried).
+# decoding against nn.Transformer and CTranslate2; needs runs/demo, carried), converge:STEPS (Transformer-
+# base eager and compiled for STEPS updates at TOKENS a batch: their valid losses).
 set -u
 OUT=${OUT:-/tmp/gpu_session}
 mkdir -p "$OUT"
@@ -54,11 +55,28 @@ for step in "$@"; do
         --model base --max-tokens "$tokens" --compile --sides "ours bf16" --warmup 60 --steps 40 --threads 8 \
         >"$OUT/train_$tokens.log" 2>&1
       elapsed "train $tokens: exit $?"; grep "^|" "$OUT/train_$tokens.log" ;;
+    converge:*)  # the compiled step trains as the eager one: valid loss after the same updates (same batches)
+      steps=${step#converge:}
+      base="model.d_model=512 model.heads=8 model.ffn_dim=2048 model.encoder_layers=6 model.decoder_layers=6 model.norm=post"
+      for compiled in false true; do
+        sets=$(for kv in $base train.max_tokens=${TOKENS:-64000} train.max_steps=$steps train.valid_every=$steps \
+                 train.save_every=$steps train.compile=$compiled; do printf -- "--set %s " "$kv"; done)
+        rm -rf "/tmp/converge-$compiled"  # this script's own scratch run
+        timeout "${CONVERGE_SECONDS:-240}" seq2seq train "${CONFIG:-configs/bible_en_es.yaml}" $sets \
+          --run-dir "/tmp/converge-$compiled" --quiet >"$OUT/converge_$compiled.log" 2>&1
+        elapsed "converge compile=$compiled: exit $?"
+      done
+      python3 -c "
+import json
+loss = {c: [json.loads(l) for l in open(f'/tmp/converge-{c}/metrics.jsonl') if '\"valid\"' in l][-1]['loss']
+        for c in ('false', 'true')}
+print(f'valid loss after $steps updates: eager {loss[\"false\"]:.4f}, compiled {loss[\"true\"]:.4f} '
+      f'({loss[\"true\"] / loss[\"false\"] - 1:+.2%})')" | tee "$OUT/converge.txt" ;;
     decode)
       LD_LIBRARY_PATH=/tmp/cuda12:${LD_LIBRARY_PATH:-} timeout "${DECODE_SECONDS:-240}" \
         python3 benchmarks/ledger.py run benchmark_decode.py --device cuda >"$OUT/decode.log" 2>&1
       elapsed "decode: exit $?"; grep "^|" "$OUT/decode.log" ;;
-    *) echo "unknown step: $step (expected wheels, setup, suite, gpu, train:TOKENS or decode)" >&2; exit 2 ;;
+    *) echo "unknown step: $step (expected wheels, setup, suite, gpu, train:TOKENS, converge:STEPS or decode)" >&2; exit 2 ;;
   esac
 done
 tar czf "$OUT/results.tgz" benchmarks/results/*/*gpu* 2>/dev/null
