@@ -31,7 +31,9 @@ def main() -> int:
     parser.add_argument("config", type=Path)
     parser.add_argument("--run-dir", type=Path, required=True)
     parser.add_argument("--set", dest="overrides", action="append", default=[])
-    parser.add_argument("--originals", type=Path, required=True, help="the same student trained on the originals")
+    parser.add_argument(
+        "--originals", type=Path, help="the same student trained on the originals, for the same updates"
+    )
     parser.add_argument("--teacher-checkpoint", type=Path, help="also time the teacher as this checkpoint (when "
                         "distill.teacher is its export)")  # fmt: skip
     args = parser.parse_args()
@@ -55,18 +57,24 @@ def main() -> int:
                        teacher_beam=config.distill.beam)  # fmt: skip
         print(f"The teacher as its checkpoint ({args.teacher_checkpoint}), beam {config.distill.beam}:\n")
         print(table(runs) + "\n")
+    if args.originals:
+        compare_with_originals(config, args.run_dir / "student", args.originals)
+    return 0
+
+
+def compare_with_originals(config, distilled: Path, originals: Path) -> None:
+    """The distilled student's checkpoint against the same student trained on the corpus's own targets."""
     test = read_split(config.data, "test")
     print("The same student (checkpoint, its decode settings), trained for the same updates on:\n")
     print("| targets | test BLEU | chrF |")
     print("|---|---|---|")
     scores = {}
-    for name, run in (("the teacher's translations", args.run_dir / "student"), ("the originals", args.originals)):
+    for name, run in (("the teacher's translations", distilled), ("the originals", originals)):
         translator = Translator.load(run, device="cpu")
         scores[name] = translate_and_score(translator, test.src, test.tgt).scores
         print(f"| {name} | {scores[name].bleu:.2f} | {scores[name].chrf:.2f} |")
     gain = scores["the teacher's translations"].bleu - scores["the originals"].bleu
     print(f"\ndistillation: {gain:+.2f} BLEU over the originals (target >= +1)")
-    return 0
 
 
 if __name__ == "__main__":
