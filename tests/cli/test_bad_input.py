@@ -285,6 +285,8 @@ def test_a_missing_extra_is_one_line_naming_what_to_install(world: Paths, monkey
     instead of reporting a bug in seq2seq."""
     import sys
 
+    for name in [name for name in sys.modules if name.startswith(f"{missing}.")]:  # its submodules, cached
+        monkeypatch.delitem(sys.modules, name)  # by earlier tests, would import without it
     monkeypatch.setitem(sys.modules, missing, None)  # `import ctranslate2` now raises ModuleNotFoundError
     monkeypatch.delitem(sys.modules, loaded, raising=False)  # so that the command imports it afresh
     args = [part.format(checkpoint=world.checkpoint, root=world.root) for part in command]
