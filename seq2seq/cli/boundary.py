@@ -129,8 +129,8 @@ def user_errors(command):
             code, lines = 1, [f"internal error: {type(error).__name__}: {error}"]
             if isinstance(error, UserInputError):
                 code, lines = 2, str(error).splitlines()
-            elif isinstance(error, ModuleNotFoundError) and _missing_extra(error):
-                code, lines = 2, [_missing_extra(error)]
+            elif isinstance(error, ModuleNotFoundError) and (missing := _missing_extra(error)):
+                code, lines = 2, [missing]
             elif isinstance(error, OSError) and (
                 error.filename is not None or error.errno in (errno.ENOSPC, errno.EDQUOT)
             ):
