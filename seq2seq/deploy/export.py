@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -39,7 +40,7 @@ from seq2seq.evaluation.evaluate import translate_and_score
 from seq2seq.evaluation.scoring import Scores
 from seq2seq.files import remove_stale_temporaries, temporary_path
 from seq2seq.inference.admission import ModelCapacity, Names, plan_translation
-from seq2seq.inference.ctranslate2_engine import SHORTLIST_FILE, position_table_size
+from seq2seq.inference.ctranslate2_engine import SHORTLIST_FILE, GpuUnusable, position_table_size
 from seq2seq.inference.engine import EXPORT_METADATA
 from seq2seq.inference.shortlist import Shortlist
 from seq2seq.inference.translator import Translator
@@ -69,6 +70,7 @@ class ParityReport:
     exported: Scores
     max_bleu_drop: float
     device: str = "cpu"  # where the export was decoded: float16 on a GPU where there is one
+    gpu_unusable: str = ""  # why CTranslate2 could not decode it on the GPU that torch sees
 
     @property
     def failures(self) -> list[str]:
@@ -94,7 +96,8 @@ class ParityReport:
         if self.device != "cpu":
             return f"; the export decoded on {self.device}"
         if self.quantization in GPU_QUANTIZATIONS:  # CTranslate2 computes it in float32 on a CPU
-            return f"; no GPU here: the {self.quantization} export decoded in float32 on the CPU"
+            why = f"CTranslate2 cannot use the GPU here ({self.gpu_unusable})" if self.gpu_unusable else "no GPU here"
+            return f"; {why}: the {self.quantization} export decoded in float32 on the CPU"
         return ""
 
     def to_dict(self) -> dict:
@@ -146,16 +149,15 @@ def export_checkpoint(
         _write_tokenizer_and_metadata(staging, checkpoint, quantization, positions)
         if shortlist is not None:
             shutil.copyfile(shortlist, staging / SHORTLIST_FILE)
-        device = "cuda" if quantization in GPU_QUANTIZATIONS and torch.cuda.is_available() else "cpu"
-        report = parity(
-            Translator.load(checkpoint_path, device="cpu", shortlist=shortlist),
-            Translator.load(staging, device=device),
-            sources,
-            references,
-            quantization=quantization,
-            max_bleu_drop=max_bleu_drop,
-            device=device,
+        ours = Translator.load(checkpoint_path, device="cpu", shortlist=shortlist)
+        gate = functools.partial(
+            parity, ours, sources=sources, references=references, quantization=quantization, max_bleu_drop=max_bleu_drop
         )
+        device = "cuda" if quantization in GPU_QUANTIZATIONS and torch.cuda.is_available() else "cpu"
+        try:
+            report = gate(Translator.load(staging, device=device), device=device)
+        except GpuUnusable as error:  # the export is sound; the GPU's libraries are not there
+            report = gate(Translator.load(staging, device="cpu"), gpu_unusable=error.cause)
         if report.failures:
             raise ExportFailed(f"{report.describe()}\nexport refused: {'; '.join(report.failures)}")
         metadata = json.loads((staging / EXPORT_METADATA).read_text(encoding="utf-8"))
@@ -192,6 +194,7 @@ def parity(
     quantization: str,
     max_bleu_drop: float,
     device: str = "cpu",
+    gpu_unusable: str = "",
 ) -> ParityReport:
     """Both engines on the same sentences and settings: greedy agreement and beam scores.
 
@@ -215,6 +218,7 @@ def parity(
         exported=translate_and_score(exported, sources, references, alone).scores,
         max_bleu_drop=max_bleu_drop,
         device=device,
+        gpu_unusable=gpu_unusable,
     )
 
 

@@ -20,7 +20,9 @@ CTranslate2's generators, one per worker thread, which a call's seed does not re
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -55,6 +57,33 @@ def position_table_size(config: Config) -> int:
     return max(SMALLEST_POSITION_TABLE, int(data.max_length * max(1.0, decode.max_len_a)) + decode.max_len_b + 2)
 
 
+# What CTranslate2 says when it cannot run on the GPU it was given: no driver, an older driver than
+# its CUDA, or not the CUDA libraries its wheel was built against (it loads cuBLAS at the first product).
+CUDA_FAILURE = re.compile(r"CUDA|cuBLAS|cuDNN|Library \S+ is not found", re.IGNORECASE)
+
+
+class GpuUnusable(UserInputError):
+    """CTranslate2 was given a GPU that it cannot use here: a set-up problem, said in one line."""
+
+    def __init__(self, cause: str) -> None:
+        self.cause = cause
+        super().__init__(
+            f"CTranslate2 cannot use the GPU here ({cause}); translate on the CPU (--device cpu), or give it "
+            "the CUDA libraries its wheel needs (docs/performance.md, GPU)"
+        )
+
+
+@contextlib.contextmanager
+def gpu_failures_named(device: str):
+    """CTranslate2's errors about CUDA on a GPU device raised as GpuUnusable; any other goes on."""
+    try:
+        yield
+    except RuntimeError as error:
+        if device == "cpu" or not CUDA_FAILURE.search(str(error)):
+            raise
+        raise GpuUnusable(str(error)) from None
+
+
 def load_exported(directory: Path, *, device: str | None = None) -> tuple[DecodeConfig, Engine]:
     """The exported model's decode defaults and an engine that translates with it."""
     metadata = read_export_metadata(directory)
@@ -63,7 +92,8 @@ def load_exported(directory: Path, *, device: str | None = None) -> tuple[Decode
         raise UserInputError(f"{directory / EXPORT_METADATA}: lacks {', '.join(missing)}; re-export the checkpoint")
     config = config_from_dict(metadata["config"], origin=f"{directory} (stored config)")
     try:
-        runtime = ctranslate2.Translator(str(directory), device=device or "cpu", **_threads(device or "cpu"))
+        with gpu_failures_named(device or "cpu"):
+            runtime = ctranslate2.Translator(str(directory), device=device or "cpu", **_threads(device or "cpu"))
         models = metadata["tokenizer"]  # {"src": file, "tgt": file}
         src = spm.SentencePieceProcessor(model_file=str(directory / models["src"]))
         tgt = spm.SentencePieceProcessor(model_file=str(directory / models["tgt"]))
@@ -114,9 +144,10 @@ class CTranslate2Engine:
         limits = [decode.output_limit(len(sentence) + 1) for sentence in pieces]  # + the EOS CTranslate2 adds
         if forced is not None:
             limits = [guidance_limit(limit, len(prefix)) for limit, prefix in zip(limits, forced)]
-        outputs = _translate(
-            self.runtime, pieces, limits, decode, forced, deadline=deadline, shortlisted=self.shortlisted
-        )
+        with gpu_failures_named(self.runtime.device):
+            outputs = _translate(
+                self.runtime, pieces, limits, decode, forced, deadline=deadline, shortlisted=self.shortlisted
+            )
         results = [Translation([]) for _ in lines]
         for position, output in enumerate(outputs):
             nbest = [(self.tgt.decode(tokens), score) for tokens, score in zip(output.hypotheses, output.scores)]
@@ -133,13 +164,14 @@ class CTranslate2Engine:
         results = []
         for start, end in _spans([len(line) + 1 for line in src], decode.batch_tokens if deadline else None):
             _check(deadline)
-            results += self.runtime.score_batch(
-                src[start:end],
-                tgt[start:end],
-                max_batch_size=decode.batch_tokens,
-                batch_type="tokens",
-                max_input_length=0,
-            )
+            with gpu_failures_named(self.runtime.device):
+                results += self.runtime.score_batch(
+                    src[start:end],
+                    tgt[start:end],
+                    max_batch_size=decode.batch_tokens,
+                    batch_type="tokens",
+                    max_input_length=0,
+                )
         return [
             PairScore(
                 [*pieces, "</s>"],

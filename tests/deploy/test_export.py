@@ -12,7 +12,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-pytest.importorskip("ctranslate2", reason="optional extra: pip install -e '.[export]' (included in [dev])")
+ctranslate2 = pytest.importorskip("ctranslate2", reason="optional extra: pip install -e '.[export]' (in [dev])")
 
 from seq2seq.cli.main import app  # noqa: E402
 from seq2seq.data.special_tokens import BOS_ID, EOS_ID  # noqa: E402
@@ -34,13 +34,19 @@ def checkpoint(trained_checkpoint):
 
 
 @pytest.fixture(scope="module")
-def exported_model(trained_checkpoint, tmp_path_factory):
+def exported_directory(trained_checkpoint, tmp_path_factory):
+    """The half-trained model's float32 export."""
+    directory = tmp_path_factory.mktemp("exported") / "model"
+    export_module.export_checkpoint(trained_checkpoint[0], directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def exported_model(trained_checkpoint, exported_directory):
     """(our Translator, the float32 export's Translator, 60 test lines) of the half-trained model."""
     path, data = trained_checkpoint
-    directory = tmp_path_factory.mktemp("exported") / "model"
-    export_module.export_checkpoint(path, directory)
     lines = (data / "test.en").read_text(encoding="utf-8").splitlines()
-    return Translator.load(path), Translator.load(directory), lines
+    return Translator.load(path), Translator.load(exported_directory), lines
 
 
 def test_float32_export_passes_the_gate_and_translates_like_the_checkpoint(checkpoint, tmp_path):
@@ -179,6 +185,58 @@ def test_a_float16_export_is_gated_on_the_gpu_where_it_runs(learned_checkpoint, 
     parity, printed = export_float16(learned_checkpoint, tmp_path)
     assert parity["passed"] and parity["device"] == "cuda" and "the export decoded on cuda" in printed
     assert bleu_of(parity["ours"]) - bleu_of(parity["exported"]) <= 1.0
+
+
+class TranslatorWithoutCublas:
+    """CTranslate2 given a GPU whose cuBLAS it cannot load, as on a lent H100 (CUDA 13, no CUDA 12
+    libcublas): the model loads, and its first product fails."""
+
+    device = "cuda"
+
+    def __getattr__(self, name):
+        def fail(*args, **kwargs):
+            raise RuntimeError("Library libcublas.so.12 is not found or cannot be loaded")
+
+        return fail
+
+
+def without_cublas(monkeypatch) -> None:
+    """CTranslate2 as on that machine: the CPU works, the GPU fails at its first product."""
+    real = ctranslate2.Translator
+    monkeypatch.setattr(
+        ctranslate2,
+        "Translator",
+        lambda path, device="cpu", **options: (
+            real(path, device=device, **options) if device == "cpu" else TranslatorWithoutCublas()
+        ),
+    )
+
+
+def test_a_gpu_that_ctranslate2_cannot_use_is_one_line_naming_what_it_lacks(exported_directory, tmp_path, monkeypatch):
+    without_cublas(monkeypatch)
+    src = tmp_path / "src.en"
+    src.write_text("the cat sleeps\n")
+    for command in (["translate", "-i", src], ["score-pairs", "--src", src, "--tgt", src]):
+        result = invoke(*command, "-c", exported_directory, "--device", "cuda")
+        errors = [line for line in result.stderr.splitlines() if "error:" in line]  # after the progress bar
+        assert result.exit_code == 2 and len(errors) == 1, result.output
+        assert "CTranslate2 cannot use the GPU here (Library libcublas.so.12 is not found" in errors[0]
+        assert "--device cpu" in errors[0]
+
+
+def test_a_float16_export_where_ctranslate2_cannot_use_the_gpu_is_gated_on_the_cpu_and_says_why(
+    checkpoint, tmp_path, monkeypatch
+):
+    """torch sees a GPU that CTranslate2 cannot use: the export is sound, so the gate decodes it on
+    the CPU (float32, as CTranslate2 runs float16 there) and the report says why, not "a bug"."""
+    without_cublas(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    parity, printed = export_float16(checkpoint, tmp_path)
+    assert parity["passed"] and parity["device"] == "cpu" and "libcublas.so.12" in parity["gpu_unusable"]
+    assert (
+        "CTranslate2 cannot use the GPU here (Library libcublas.so.12 is not found or cannot be loaded): "
+        "the float16 export decoded in float32 on the CPU" in printed
+    )
 
 
 def scrambled_spec(monkeypatch) -> None:
