@@ -38,6 +38,24 @@ def shortlist_option(help: str):
     return Annotated[Optional[Path], typer.Option("--shortlist", help=help, show_default=False)]  # noqa: UP045
 
 
+DEVICES = ("cpu", "cuda")
+
+
+def _known_device(value: str | None) -> str | None:
+    if value is not None and value not in DEVICES:
+        raise typer.BadParameter(f"{value!r}: expected one of {', '.join(DEVICES)}")
+    return value
+
+
+DeviceOption = Annotated[
+    Optional[str],  # noqa: UP045
+    typer.Option(
+        "--device",
+        callback=_known_device,
+        help="Where the model runs [default: a checkpoint on the GPU where torch sees one, an export on the CPU].",
+        show_default=False,
+    ),
+]
 ShortlistOption = shortlist_option(
     "Hold each output to its source's shortlist (a file from `seq2seq shortlist`; checkpoints only: "
     "an export carries its own)."

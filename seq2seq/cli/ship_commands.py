@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from seq2seq.cli.app import SetOption, ShortlistOption, app, shortlist_option
+from seq2seq.cli.app import DeviceOption, SetOption, ShortlistOption, app, shortlist_option
 from seq2seq.cli.boundary import user_errors
 from seq2seq.config import SHORTLIST_FREQUENT, SHORTLIST_PER_SOURCE
 from seq2seq.deploy.requests import Limits
@@ -141,6 +141,7 @@ def serve(
                      help="Require 'Authorization: Bearer KEY' on every request (better set in SEQ2SEQ_API_KEY)."),
     ] = None,
     shortlist: ShortlistOption = None,
+    device: DeviceOption = None,
 ) -> None:  # fmt: skip
     """Serve a model over HTTP: POST /translate {"lines": [...]}, POST /score and GET /health.
 
@@ -163,7 +164,7 @@ def serve(
                                  max_queue=max_queue, request_timeout=timeout_s)  # fmt: skip
     typer.echo(f"serving {' + '.join(map(str, model))} on http://{host}:{port} (POST /translate, /score; GET "
                "/health); Ctrl-C stops", err=True)  # fmt: skip
-    serve_model(model, host=host, port=port, limits=limits, api_key=api_key, shortlist=shortlist)
+    serve_model(model, host=host, port=port, limits=limits, api_key=api_key, shortlist=shortlist, device=device)
 
 
 @app.command()

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from seq2seq.cli.app import SetOption, ShortlistOption, app
+from seq2seq.cli.app import DeviceOption, SetOption, ShortlistOption, app
 from seq2seq.cli.boundary import user_errors
 
 MODEL_HELP = "A checkpoint (.pt), a run directory (its best.pt), or a directory from `seq2seq export`"
@@ -68,6 +68,7 @@ def translate(
         ),
     ] = None,
     shortlist: ShortlistOption = None,
+    device: DeviceOption = None,
 ) -> None:
     """Translate text, one sentence per line.
 
@@ -91,6 +92,7 @@ def translate(
         attention_plot=attention_plot,
         guides=guides,
         shortlist=shortlist,
+        device=device,
     )
     if written:
         typer.echo(f"attention plots: {', '.join(map(str, written))}", err=True)
@@ -105,6 +107,7 @@ def score_pairs(
     output: Annotated[str, typer.Option("--output", "-o", help="Output file, or - for stdout.")] = "-",
     per_token: Annotated[bool, typer.Option("--per-token", help="Add each piece's log-probability.")] = False,
     overrides: SetOption = None,
+    device: DeviceOption = None,
 ) -> None:
     """Score given translations with the model (force-decoding): score, log-probability, pieces per pair.
 
@@ -118,7 +121,8 @@ def score_pairs(
     """
     from seq2seq.cli.file_translation import score_file
 
-    score_file(checkpoint, src=src, tgt=tgt, output=output, decode_overrides=overrides or [], per_token=per_token)
+    options = {"decode_overrides": overrides or [], "per_token": per_token, "device": device}
+    score_file(checkpoint, src=src, tgt=tgt, output=output, **options)
 
 
 RefsOption = Annotated[
@@ -165,6 +169,7 @@ def evaluate(
     ] = None,
     overrides: SetOption = None,
     shortlist: ShortlistOption = None,
+    device: DeviceOption = None,
 ) -> None:
     """Translate --src and score it against --ref with sacrebleu (scores with their signatures).
 
@@ -187,6 +192,7 @@ def evaluate(
         hypotheses_path=hypotheses_path,
         json_path=json_path,
         shortlist=shortlist,
+        device=device,
     )
     typer.echo(evaluation.scores.describe())
 

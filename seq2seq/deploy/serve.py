@@ -315,9 +315,10 @@ def serve(
     limits: Limits = Limits(),
     api_key: str | None = None,
     shortlist: Path | None = None,
+    device: str | None = None,
 ) -> None:
-    """Load the model (several checkpoints: an ensemble; `shortlist`: Translator.load's), then serve
-    until SIGTERM or Ctrl-C."""
+    """Load the model (several checkpoints: an ensemble; `shortlist` and `device`: Translator.load's),
+    then serve until SIGTERM or Ctrl-C."""
     import socket
 
     import uvicorn
@@ -333,7 +334,7 @@ def serve(
             host,
             API_KEY_VARIABLE,
         )
-    translator = Translator.load(model, shortlist=shortlist)
+    translator = Translator.load(model, shortlist=shortlist, device=device)
     name = " + ".join(map(str, model)) if isinstance(model, list) else str(model)
     app = create_app(translator, model_name=name, limits=limits, api_key=api_key)
     # a request admitted before SIGTERM may take up to request_timeout: shutdown waits as long for it

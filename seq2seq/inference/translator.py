@@ -73,20 +73,16 @@ class Translator:
 
             decode, engine = load_exported(path, device=device)
             return cls(decode, engine)
-        import torch
-
         from seq2seq.checkpoint import load_for_inference
 
         lists = _read_shortlist(shortlist)  # a bad file is named before the model loads
-        bundle = load_for_inference(path, device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        bundle = load_for_inference(path, _torch_device(device))
         return cls.from_model(
             bundle.model, bundle.tokenizer, bundle.config.decode, bundle=bundle, shortlist=_for(lists, bundle.tokenizer)
         )
 
     @classmethod
     def _load_ensemble(cls, paths: list[Path], device: str | None, shortlist: str | Path | None) -> Translator:
-        import torch
-
         from seq2seq.checkpoint import Checkpoint
         from seq2seq.inference.ensemble import Ensemble
 
@@ -103,8 +99,7 @@ class Translator:
                     "share the source and target SentencePiece models"
                 )
         lists = _for(_read_shortlist(shortlist), checkpoints[0].tokenizer)
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        ensemble = Ensemble([checkpoint.build_model(device) for checkpoint in checkpoints])
+        ensemble = Ensemble([checkpoint.build_model(_torch_device(device)) for checkpoint in checkpoints])
         return cls.from_model(ensemble, checkpoints[0].tokenizer, checkpoints[0].config.decode, shortlist=lists)
 
     @classmethod
@@ -255,6 +250,17 @@ class Translator:
             line_numbers=line_numbers,
             deadline=deadline,
         )
+
+
+def _torch_device(device: str | None) -> str:
+    """Where a checkpoint runs: the device asked for, else the GPU where torch sees one."""
+    import torch
+
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserInputError(f"device {device}: torch sees no CUDA GPU here; expected cpu")
+    return device
 
 
 def _read_shortlist(path: str | Path | None):

@@ -308,6 +308,18 @@ def test_each_kind_of_config_error_exits_2_with_its_message(trained_run, tmp_pat
     assert_user_error(invoke("train", config, "--run-dir", tmp_path / "r", "--set", override), *fragments)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the case of a machine where torch sees no GPU")
+def test_a_device_that_is_not_here_or_not_a_device_is_one_line(trained_run, tmp_path):
+    checkpoint = trained_run[2] / "checkpoints" / "last.pt"
+    src = tmp_path / "src.en"
+    src.write_text("the cat\n")
+    result = invoke("translate", "-c", checkpoint, "-i", src, "--device", "cuda")
+    assert_user_error(result, "device cuda: torch sees no CUDA GPU here")
+    result = invoke("translate", "-c", checkpoint, "-i", src, "--device", "tpu")
+    assert result.exit_code == 2 and "'tpu': expected one of cpu, cuda" in result.stderr
+    assert invoke("translate", "-c", checkpoint, "-i", src, "--device", "cpu").exit_code == 0
+
+
 def test_demo_refuses_a_run_directory_it_did_not_make(tmp_path, monkeypatch):
     """`demo --run-dir DIR` used to delete DIR whatever it held; now a non-demo directory is refused
     before any work (not even the demo corpus is written) and the user's file stays."""
