@@ -35,8 +35,11 @@ for step in "$@"; do
     setup)
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/*.whl >"$OUT/setup.log" 2>&1
       python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >>"$OUT/setup.log" 2>&1
-      cublas=$(python3 -c "import nvidia.cublas, pathlib; print(next(pathlib.Path(nvidia.cublas.__path__[0]).rglob('libcublas.so.13*')).parent)")
-      mkdir -p /tmp/cuda12 && for lib in libcublas libcublasLt; do ln -sf "$cublas/$lib.so.13" "/tmp/cuda12/$lib.so.12"; done
+      # torch's CUDA libraries sit in nvidia/cublas/lib or nvidia/cu13/lib (it varies by image): find them
+      cublas=$(find / -xdev -path /proc -prune -o -name 'libcublas.so.13*' -print 2>/dev/null | head -1)
+      mkdir -p /tmp/cuda12 && for lib in libcublas libcublasLt; do
+        ln -sf "$(dirname "$cublas")/$lib.so.13" "/tmp/cuda12/$lib.so.12"; done
+      echo "cuBLAS 13 for CTranslate2: ${cublas:-not found}" >>"$OUT/setup.log"
       { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
         python3 -c "import torch, ctranslate2; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'ctranslate2', ctranslate2.__version__, ctranslate2.get_cuda_device_count(), 'GPU')"
       } 2>&1 | tee "$OUT/machine.txt"
