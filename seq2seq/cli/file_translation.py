@@ -125,17 +125,17 @@ def translate_file(
     rows = guides.aligned(lines_in)
     chunks = ([row] for row in rows) if stream else chunked(rows, FILE_CHUNK_LINES)
     first_chunk = next(chunks, [])
-    bar = progress_bar(desc="translate", unit="sent", enabled=not (source == "-" or stream))
-    results = (
-        result
-        for chunk, first in _numbered(itertools.chain([first_chunk], chunks))
-        for result in _translated(
-            translator, chunk, decode, bar, glossary, guided=guided, names=dataclasses.replace(names, first=first)
+    # the bar is closed however translation ends, so that an error's line starts a line of its own
+    with progress_bar(desc="translate", unit="sent", enabled=not (source == "-" or stream)) as bar:
+        results = (
+            result
+            for chunk, first in _numbered(itertools.chain([first_chunk], chunks))
+            for result in _translated(
+                translator, chunk, decode, bar, glossary, guided=guided, names=dataclasses.replace(names, first=first)
+            )
         )
-    )
-    with _output(output) as sink:
-        _write(sink, results, nbest=decode.nbest > 1, flush=stream)
-    bar.close()
+        with _output(output) as sink:
+            _write(sink, results, nbest=decode.nbest > 1, flush=stream)
     if attention_plot is None or not first_chunk:
         return []
     return translator.plot_attention(

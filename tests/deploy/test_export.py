@@ -218,7 +218,7 @@ def test_a_gpu_that_ctranslate2_cannot_use_is_one_line_naming_what_it_lacks(expo
     src.write_text("the cat sleeps\n")
     for command in (["translate", "-i", src], ["score-pairs", "--src", src, "--tgt", src]):
         result = invoke(*command, "-c", exported_directory, "--device", "cuda")
-        errors = [line for line in result.stderr.splitlines() if "error:" in line]  # after the progress bar
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]  # not after the bar
         assert result.exit_code == 2 and len(errors) == 1, result.output
         assert "CTranslate2 cannot use the GPU here (Library libcublas.so.12 is not found" in errors[0]
         assert "--device cpu" in errors[0]
