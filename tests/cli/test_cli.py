@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -308,13 +309,24 @@ def test_each_kind_of_config_error_exits_2_with_its_message(trained_run, tmp_pat
     assert_user_error(invoke("train", config, "--run-dir", tmp_path / "r", "--set", override), *fragments)
 
 
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the case of a machine where torch sees no GPU")
 def test_a_device_that_is_not_here_or_not_a_device_is_one_line(trained_run, tmp_path):
     checkpoint = trained_run[2] / "checkpoints" / "last.pt"
     src = tmp_path / "src.en"
     src.write_text("the cat\n")
-    result = invoke("translate", "-c", checkpoint, "-i", src, "--device", "cuda")
-    assert_user_error(result, "device cuda: torch sees no CUDA GPU here")
+    for command in (
+        ["translate", "-c", checkpoint, "-i", src],
+        ["score-pairs", "-c", checkpoint, "--src", src, "--tgt", src],
+        ["eval", "-c", checkpoint, "--src", src, "--ref", src],
+        ["serve", checkpoint, "--port", str(free_port())],
+    ):
+        assert_user_error(invoke(*command, "--device", "cuda"), "device cuda: torch sees no CUDA GPU here")
     result = invoke("translate", "-c", checkpoint, "-i", src, "--device", "tpu")
     assert result.exit_code == 2 and "'tpu': expected one of cpu, cuda" in result.stderr
     assert invoke("translate", "-c", checkpoint, "-i", src, "--device", "cpu").exit_code == 0
