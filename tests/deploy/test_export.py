@@ -187,6 +187,23 @@ def test_a_float16_export_is_gated_on_the_gpu_where_it_runs(learned_checkpoint, 
     assert bleu_of(parity["ours"]) - bleu_of(parity["exported"]) <= 1.0
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(ctranslate2.get_cuda_device_count() == 0, reason="needs a GPU that CTranslate2 sees")
+def test_an_export_translates_on_the_gpu_as_on_the_cpu(exported_directory, trained_checkpoint, tmp_path):
+    """`--device cuda` runs the exported model on the GPU through CTranslate2: its outputs are the CPU's
+    (float32 both; a near-tie between two tokens may flip on another device)."""
+    lines = (trained_checkpoint[1] / "test.en").read_text(encoding="utf-8").splitlines()[:40]
+    src = tmp_path / "src.en"
+    src.write_text("\n".join(lines) + "\n")
+    outputs = {}
+    for device in ("cpu", "cuda"):
+        result = invoke("translate", "-c", exported_directory, "-i", src, "-o", tmp_path / device, "--device", device)
+        assert result.exit_code == 0, result.output
+        outputs[device] = (tmp_path / device).read_text(encoding="utf-8").splitlines()
+    assert len(outputs["cuda"]) == len(lines)
+    assert sum(a == b for a, b in zip(outputs["cpu"], outputs["cuda"])) >= 0.95 * len(lines)
+
+
 class TranslatorWithoutCublas:
     """CTranslate2 given a GPU whose cuBLAS it cannot load, as on a lent H100 (CUDA 13, no CUDA 12
     libcublas): the model loads, and its first product fails."""
