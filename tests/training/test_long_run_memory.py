@@ -3,6 +3,10 @@ compiles no new oneDNN kernels (each is kept in a per-shape cache) and RSS stops
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -15,7 +19,7 @@ from seq2seq.model.execution import ROW_MULTIPLE
 from seq2seq.model.transformer import build_model
 from seq2seq.training.loss import output_layer_loss
 from seq2seq.training.precision import onednn_runs_bf16
-from seq2seq.training.run_log import PeakRss, current_rss_mb
+from seq2seq.training.run_log import current_rss_mb
 from seq2seq.training.train_step import build_optimizer, build_scaler, train_step
 
 MODEL = ModelConfig(d_model=64, heads=4, encoder_layers=1, decoder_layers=1, ffn_dim=128)
@@ -72,17 +76,29 @@ def test_freed_heap_holes_go_back_to_the_kernel():
     assert len(held) == 300
 
 
+WINDOW_PEAK_PROBE = """
+import json, torch
+from seq2seq.training.run_log import PeakRss, current_rss_mb
+peaks = PeakRss()
+activations = torch.ones(200 * 2**20, dtype=torch.uint8)  # above the mmap threshold: freed at once
+del activations
+now, peak = current_rss_mb(), peaks.take()
+print(json.dumps({"now": now, "peak": peak, "next": peaks.take(), "process_peak": peaks.process_peak}))
+"""
+
+
 def test_the_window_peak_keeps_the_top_of_a_step_that_rss_now_no_longer_shows():
-    """metrics.jsonl's window_peak_rss_mb: a step's activations are freed before the log line reads RSS."""
-    peaks = PeakRss()
-    activations = torch.ones(200 * 2**20, dtype=torch.uint8)  # above the mmap threshold: freed at once
-    del activations
-    now, peak = current_rss_mb(), peaks.take()
+    """metrics.jsonl's window_peak_rss_mb: a step's activations are freed before the log line reads RSS.
+    RSS is the whole process's, so the probe runs in a process of its own: in the suite's, threads
+    that earlier tests left could move it while it measures."""
+    probe = subprocess.run([sys.executable, "-c", WINDOW_PEAK_PROBE], capture_output=True, text=True, check=True)
+    found = json.loads(probe.stdout)
+    now, peak = found["now"], found["peak"]
     if peak is None:
         pytest.skip("the kernel's high-water mark cannot be reset here")
     assert peak > now + 150, f"window peak {peak:.0f} MiB, now {now:.0f} MiB"
-    assert peaks.take() < peak - 150  # a new window
-    assert peaks.process_peak >= peak
+    assert found["next"] < peak - 150  # a new window
+    assert found["process_peak"] >= peak
 
 
 def _shapes_of_one_row_block():
