@@ -140,8 +140,14 @@ main()
 def test_kills_at_chosen_moments_then_resume_give_the_uninterrupted_model(tmp_path, tiny_data):
     """SIGKILL inside a checkpoint write, between a checkpoint and last.pt, inside a metrics line and
     inside an update, each at a seeded random occurrence (save_every=2: many checkpoints); every
-    restart resumes from the last whole checkpoint, and the end result is bitwise the uninterrupted run."""
-    config = _config(tmp_path, tiny_data, max_steps=80, save_every=2, valid_every=40, keep_last=3, log_every=4)
+    restart resumes from the last whole checkpoint, and the end result is bitwise the uninterrupted run.
+    What a resume must carry on is all in play: a budgeted schedule that decays to its floor, a weight
+    average, and 80 updates over three epochs (33 batches each), each with its own sampled segmentation."""
+    raw = tiny_config_dict(tiny_data, max_steps=80, save_every=2, valid_every=40, keep_last=3, log_every=4,
+                           schedule="linear", warmup_steps=10, min_lr=0.0004, ema_decay=0.99)  # fmt: skip
+    raw["data"].update(subword_alpha=0.2, subword_variants=3)
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump(raw))
     env = {**os.environ, "PYTHONHASHSEED": "0"}
     reference = tmp_path / "reference"
     subprocess.run(_train_command(config, reference, resume=False), check=True, env=env, capture_output=True)
@@ -170,8 +176,13 @@ def test_kills_at_chosen_moments_then_resume_give_the_uninterrupted_model(tmp_pa
     assert ours.progress.step == theirs.progress.step == 80
     for name, tensor in theirs.model.items():
         assert torch.equal(ours.model[name], tensor), name
+    assert ours.ema.keys() == theirs.ema.keys() and theirs.ema
+    for name, tensor in theirs.ema.items():
+        assert torch.equal(ours.ema[name], tensor), name
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]  # all whole
-    assert [r["step"] for r in records if r["kind"] == "train"] == list(range(4, 81, 4))
+    logged = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in logged] == list(range(4, 81, 4))  # none lost, none twice
+    assert logged[-1]["lr"] == pytest.approx(0.0004)  # the floor, at the budget's end
 
 
 def _dead_pid() -> int:
