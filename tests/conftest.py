@@ -96,7 +96,7 @@ def _trained(tmp_path_factory, demo_pairs, name: str, steps: int) -> tuple[Path,
     data.mkdir()
     for split, pairs in demo_pairs.items():
         write_pairs(data, split, pairs)
-    make_trainer(root, data, device="cpu", max_steps=steps, valid_every=steps, save_every=steps, log_every=steps).run()
+    make_trainer(root, data, device="cpu", max_steps=steps, valid_every=steps, save_every=steps, log_every=20).run()
     return root / "run" / "checkpoints" / "last.pt", data
 
 
