@@ -24,11 +24,14 @@ $(STAMP): pyproject.toml
 demo: install
 	$(BIN)/seq2seq demo
 
+# One pytest process per core; a test module stays in one process, so its shared fixtures are made once.
+PYTEST := $(BIN)/python -m pytest -q -n auto --dist loadscope
+
 test: install
-	$(BIN)/python -m pytest -q
+	$(PYTEST)
 
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(PYTEST) -m "not slow"
 
 lint: install
 	$(BIN)/ruff check seq2seq tests scripts benchmarks
