@@ -46,7 +46,7 @@ for step in "$@"; do
       elapsed "setup" ;;
     suite)
       LD_LIBRARY_PATH=/tmp/cuda12:${LD_LIBRARY_PATH:-} timeout "${SUITE_SECONDS:-300}" \
-        python3 -m pytest -q -n 12 -p no:cacheprovider -rfE --durations=10 >"$OUT/suite.log" 2>&1
+        python3 -m pytest -v -n 12 --dist loadscope -p no:cacheprovider -rfE --durations=10 >"$OUT/suite.log" 2>&1
       elapsed "suite: exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/suite.log" | tail -20 ;;
     gpu)
       LD_LIBRARY_PATH=/tmp/cuda12:${LD_LIBRARY_PATH:-} timeout "${GPU_SECONDS:-240}" \
