@@ -3,7 +3,9 @@
 Time says how fast a step is on one machine; on an AVX2-only CPU, where bf16 is emulated, time says
 little about a bf16 step on hardware that runs it natively. The census runs one step under a
 TorchDispatchMode, which sees every ATen op the forward and backward passes dispatch, and counts:
-- dtype conversions (a copy whose output has another floating dtype than its input) and their bytes;
+- dtype conversions (a copy whose output has another floating dtype than its input) and their bytes,
+  the implicit ones too: an elementwise op given inputs of two floating dtypes (fp32 += bf16) casts
+  the other one into a temporary inside the op, which no dispatched op shows;
 - matrix products (mm, addmm, bmm, baddbmm, ...) and their FLOPs;
 - the bytes every other op reads and writes (its tensor inputs and outputs): the memory traffic of
   what is not a matrix product, which is the step's work when matrix products are nearly free.
@@ -25,6 +27,9 @@ CONVERSIONS = {"_to_copy", "copy_", "to", "_autocast_to_reduced_precision", "_au
 VIEWS = {"view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "slice", "select", "unsqueeze",
          "squeeze", "as_strided", "detach", "alias", "split", "split_with_sizes", "unbind", "narrow",
          "_reshape_alias"}  # fmt: skip
+# Ops that make a tensor like their input without reading it: another dtype there is no conversion.
+FACTORIES = {"empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like", "new_empty",
+             "new_zeros", "new_ones", "new_full", "new_empty_strided"}  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -87,6 +92,11 @@ class _Counting(TorchDispatchMode):
             return out
         if any(word in name for word in ATTENTION):
             census.attention_calls += 1
+        elif outputs and name not in FACTORIES:
+            implicit = [t for t in inputs if t.is_floating_point() and t.dim() and t.dtype != outputs[0].dtype]
+            census.conversions += len(implicit)
+            census.conversion_bytes += sum(t.numel() * outputs[0].element_size() + _bytes([t]) for t in implicit)
+            census.conversions_by_op[f"{name} (implicit)"] += len(implicit)
         census.other_ops += 1
         moved = _bytes(inputs) + _bytes(outputs)
         census.other_bytes += moved

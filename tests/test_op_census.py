@@ -1,5 +1,5 @@
-"""The op census counts what a step dispatches: conversions where autocast casts, matrix products
-with their FLOPs, and the bytes of everything else."""
+"""The op census counts what a step dispatches: conversions where autocast casts and where an op
+mixes dtypes, matrix products with their FLOPs, and the bytes of everything else."""
 
 from __future__ import annotations
 
@@ -26,3 +26,12 @@ def test_conversions_appear_under_autocast_and_not_in_fp32():
     assert bf16.conversions >= 5
     assert fp32.matmuls == bf16.matmuls == 2  # the forward product and the weight's gradient
     assert fp32.matmul_flops == 2 * (2 * 16 * 64 * 32)
+
+
+def test_an_op_that_mixes_dtypes_counts_its_implicit_cast():
+    total, part = torch.zeros(8, 4), torch.ones(8, 4, dtype=torch.bfloat16)
+    mixed = take_census(lambda: total.add_(part))  # part is cast to fp32 inside add_
+    same = take_census(lambda: total.add_(part.float()))  # the cast made by hand
+    made = take_census(lambda: torch.zeros_like(part, dtype=torch.float32))  # reads nothing: no cast
+    assert mixed.conversions == same.conversions == 1 and made.conversions == 0
+    assert mixed.conversion_bytes == same.conversion_bytes == 8 * 4 * (2 + 4)
