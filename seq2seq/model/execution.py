@@ -80,7 +80,7 @@ class Rows:
         """(batch, length, ...features) -> (padded, features): the kept positions, then zero rows."""
         flat = x.reshape(self.batch * self.length, -1)
         if self.tokens is not None:
-            flat = flat.index_select(0, self.tokens)
+            return _GatherRows.apply(flat, self.tokens, self.padded)
         return flat if self.padded == self.used else F.pad(flat, (0, 0, 0, self.padded - self.used))
 
     def per_sentence(self, sentences: int) -> Rows:
@@ -93,10 +93,56 @@ class Rows:
 
     def unflatten(self, x: Tensor) -> Tensor:
         """(padded, features) -> (batch, length, features), zeros where a position was not kept."""
-        kept = x[: self.used]
         if self.tokens is not None:
-            kept = kept.new_zeros(self.batch * self.length, x.size(-1)).index_copy(0, self.tokens, kept)
+            kept = _ScatterRows.apply(x, self.tokens, self.batch * self.length)
+        else:  # slicing all the rows would still cost a backward pass that zeroes and copies them
+            kept = x if self.padded == self.used else x[: self.used]
         return kept.view(self.batch, self.length, x.size(-1))
+
+
+# Rows.flatten and Rows.unflatten run several times per layer, forward and backward, so each is one
+# pass over its rows. Composed of PyTorch's ops they were three: F.pad fills its whole output with
+# zeros before copying the rows in, and the backward of a slice zeroes the whole input's shape before
+# copying the slice's gradient in (index_select and index_copy add a temporary each).
+class _GatherRows(torch.autograd.Function):
+    """(positions, d) -> (padded, d): the rows at `tokens`, then padded - len(tokens) zero rows."""
+
+    @staticmethod
+    def forward(ctx, flat: Tensor, tokens: Tensor, padded: int) -> Tensor:
+        ctx.save_for_backward(tokens)
+        ctx.positions = flat.size(0)
+        return _rows_then_zeros(flat, tokens, padded)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
+        (tokens,) = ctx.saved_tensors
+        return _scatter(grad[: tokens.numel()], tokens, ctx.positions), None, None
+
+
+class _ScatterRows(torch.autograd.Function):
+    """(padded, d) -> (positions, d): row i of the first len(tokens) at position tokens[i], zeros elsewhere."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, tokens: Tensor, positions: int) -> Tensor:
+        ctx.save_for_backward(tokens)
+        ctx.padded = x.size(0)
+        return _scatter(x[: tokens.numel()], tokens, positions)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
+        (tokens,) = ctx.saved_tensors
+        return _rows_then_zeros(grad, tokens, ctx.padded), None, None
+
+
+def _rows_then_zeros(source: Tensor, tokens: Tensor, rows: int) -> Tensor:
+    out = source.new_empty(rows, source.size(1))
+    torch.index_select(source, 0, tokens, out=out[: tokens.numel()])
+    out[tokens.numel() :].zero_()
+    return out
+
+
+def _scatter(rows: Tensor, tokens: Tensor, positions: int) -> Tensor:
+    return rows.new_zeros(positions, rows.size(1)).index_copy_(0, tokens, rows)
 
 
 class Memory:

@@ -224,6 +224,33 @@ def test_position_wise_layers_compute_the_tokens_and_not_the_padding_on_cpu():
     assert source_tokens < src.numel() and target_tokens < tgt_in.numel()
 
 
+@pytest.mark.parametrize(
+    "keep",
+    [torch.tensor([[1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 0]]).bool(), torch.ones(3, 4, dtype=torch.bool)],
+    ids=["some-positions", "every-position"],
+)
+@pytest.mark.parametrize("multiple", [1, ROW_MULTIPLE])
+def test_rows_move_values_and_gradients_as_plain_indexing_does(keep, multiple):
+    """Rows.flatten and Rows.unflatten (one pass each way) against the same moves by boolean indexing."""
+    rows, kept = Rows.of(keep, multiple), keep.reshape(-1)
+    x = torch.randn(3, 4, 5, requires_grad=True)
+    flat = rows.flatten(x)
+    expected = torch.cat([x.reshape(12, 5)[kept], x.new_zeros(rows.padded - rows.used, 5)])
+    assert torch.equal(flat, expected)
+    weight = torch.randn(rows.padded, 5)
+    (gradient,) = torch.autograd.grad((flat * weight).sum(), x)
+    assert torch.equal(gradient.reshape(12, 5)[kept], weight[: rows.used]) and not gradient.reshape(12, 5)[~kept].any()
+
+    y = torch.randn(rows.padded, 5, requires_grad=True)
+    out = rows.unflatten(y)
+    expected = y.new_zeros(12, 5)
+    expected[kept] = y[: rows.used]
+    assert torch.equal(out, expected.view(3, 4, 5))
+    weight = torch.randn(3, 4, 5)
+    (gradient,) = torch.autograd.grad((out * weight).sum(), y)
+    assert torch.equal(gradient[: rows.used], weight.reshape(12, 5)[kept]) and not gradient[rows.used :].any()
+
+
 def test_rows_list_no_token_positions_off_the_cpu():
     """Listing the kept positions (nonzero) makes the host wait for a GPU: off the CPU every position is computed."""
     keep = torch.tensor([[True, True, False], [True, False, False]])
