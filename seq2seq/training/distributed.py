@@ -6,6 +6,7 @@ so the trainer has one code path.
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -113,4 +114,8 @@ def cuda_chosen(device: str, local_rank: int) -> bool:
 
 def shutdown_distributed() -> None:
     if dist.is_initialized():
+        # DDP's reducer, left in the finished trainer's reference cycles, holds the process group and
+        # gloo's pending work: collected only at interpreter exit, after the group was destroyed, they
+        # sometimes aborted a rank ("terminate called without an active exception"). Collect them first.
+        gc.collect()
         dist.destroy_process_group()
