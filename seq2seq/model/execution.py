@@ -100,10 +100,12 @@ class Rows:
         return kept.view(self.batch, self.length, x.size(-1))
 
 
-# Rows.flatten and Rows.unflatten run several times per layer, forward and backward, so each is one
-# pass over its rows. Composed of PyTorch's ops they were three: F.pad fills its whole output with
-# zeros before copying the rows in, and the backward of a slice zeroes the whole input's shape before
-# copying the slice's gradient in (index_select and index_copy add a temporary each).
+# Rows.flatten and Rows.unflatten run several times per layer, forward and backward, so each moves
+# its rows as few times as it can: a gather writes the rows and zeroes only the padding rows, a
+# scatter zeroes its output once and copies the rows in. Composed of PyTorch's ops they moved more:
+# F.pad fills its whole output with zeros before copying the rows in, the backward of a slice zeroes
+# the whole input's shape before copying the slice's gradient in, and index_select and index_copy
+# each add a temporary.
 class _GatherRows(torch.autograd.Function):
     """(positions, d) -> (padded, d): the rows at `tokens`, then padded - len(tokens) zero rows."""
 
