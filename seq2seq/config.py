@@ -169,6 +169,12 @@ class TrainConfig:
         "> 0 (e.g. 0.999): keep an exponential moving average of the weights; best.pt holds whichever validates better",
         RATE,
     )
+    dropout_from_epoch: int = setting(
+        1,
+        "late dropout (Liu et al. 2023): model.dropout is off before this epoch and on from it, so that a "
+        "short run that sees the corpus a few times is not slowed by it (1: on from the start)",
+        AT_LEAST_ONE,
+    )
     optimizer: Literal["adam", "adamw"] = setting("adam", "the optimizer")
     betas: tuple[float, float] = setting((0.9, 0.98), "the optimizer's betas")
     eps: float = setting(1e-9, "the optimizer's epsilon")

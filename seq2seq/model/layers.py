@@ -71,7 +71,7 @@ class FeedForward(nn.Module):
         return self.fc2(self.dropout(self.activation(self.fc1(x))))
 
 
-class _Residual(nn.Module):
+class Residual(nn.Module):
     """x + dropout(sublayer(x)) with its LayerNorm before (pre-norm) or after (post-norm, the paper)."""
 
     def __init__(self, d_model: int, dropout: float, pre_norm: bool) -> None:
@@ -94,8 +94,8 @@ def _feed_forward(config: ModelConfig) -> FeedForward:
     return FeedForward(config.d_model, config.ffn_dim, config.activation_dropout, config.activation)
 
 
-def _residual(config: ModelConfig) -> _Residual:
-    return _Residual(config.d_model, config.dropout, pre_norm=config.norm == "pre")
+def _residual(config: ModelConfig) -> Residual:
+    return Residual(config.d_model, config.dropout, pre_norm=config.norm == "pre")
 
 
 class EncoderLayer(nn.Module):

@@ -17,7 +17,7 @@ from seq2seq.config import ModelConfig
 from seq2seq.data.special_tokens import PAD_ID, padding_mask
 from seq2seq.model.dropout import Dropout
 from seq2seq.model.execution import DecoderCache, Memory, Rows, row_multiple
-from seq2seq.model.layers import DecoderLayer, EncoderLayer
+from seq2seq.model.layers import DecoderLayer, EncoderLayer, Residual
 
 
 def sinusoidal_positions(positions: Tensor, d_model: int) -> Tensor:
@@ -127,6 +127,12 @@ class Seq2SeqTransformer(nn.Module):
         if positions is not None:
             hidden = hidden.flatten(0, 1).index_select(0, positions)
         return self.output_proj(hidden) if output_layer else hidden
+
+    def set_dropout(self, p: float) -> None:
+        """model.dropout's rate (embeddings and residual branches) from now on: train.dropout_from_epoch
+        turns it on part way through training. Attention, activation and word dropout keep theirs."""
+        for module in [self, *(module for module in self.modules() if isinstance(module, Residual))]:
+            module.dropout.p = p
 
     def new_cache(self) -> DecoderCache:
         return DecoderCache(len(self.decoder_layers))

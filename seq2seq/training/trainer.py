@@ -154,6 +154,7 @@ class Trainer:
         window = LogWindow(self.device)
         stop_reason = self._stop_reason()  # a resumed run may have finished already
         while not stop_reason:
+            self._late_dropout(progress.epoch)
             corpus = self.data.train_for_epoch(progress.epoch)  # subword sampling: this epoch's segmentation
             batches = epoch_batches(corpus, max_tokens=tc.max_tokens, seed=tc.seed, epoch=progress.epoch)
             if len(batches) < per_update:
@@ -180,6 +181,18 @@ class Trainer:
         dist.barrier()
         log.info("stopped after %d steps: %s", progress.step, stop_reason)
         return TrainResult(dataclasses.replace(progress), self.run_dir.checkpoints / LAST, stop_reason)
+
+    def _late_dropout(self, epoch: int) -> None:
+        """model.dropout from train.dropout_from_epoch on, none before, in the weights that run the passes
+        (the bf16 working copy's too). Set at each epoch's start, so a resumed run sets it as it was."""
+        start = self.config.train.dropout_from_epoch
+        if start == 1:
+            return
+        rate = self.config.model.dropout if epoch >= start else 0.0
+        for model in (self.model, self.working.model) if self.working else (self.model,):
+            model.set_dropout(rate)
+        if epoch == start:
+            log.info("epoch %d: model.dropout %g on (train.dropout_from_epoch)", epoch, rate)
 
     def _announce(self, per_update: int) -> None:
         tc = self.config.train

@@ -142,9 +142,11 @@ def test_kills_at_chosen_moments_then_resume_give_the_uninterrupted_model(tmp_pa
     inside an update, each at a seeded random occurrence (save_every=2: many checkpoints); every
     restart resumes from the last whole checkpoint, and the end result is bitwise the uninterrupted run.
     What a resume must carry on is all in play: a budgeted schedule that decays to its floor, a weight
-    average, and 80 updates over three epochs (33 batches each), each with its own sampled segmentation."""
+    average, 80 updates over three epochs (33 batches each), each with its own sampled segmentation,
+    and dropout that is off through the first (train.dropout_from_epoch)."""
     raw = tiny_config_dict(tiny_data, max_steps=80, save_every=2, valid_every=40, keep_last=3, log_every=4,
-                           schedule="linear", warmup_steps=10, min_lr=0.0004, ema_decay=0.99)  # fmt: skip
+                           schedule="linear", warmup_steps=10, min_lr=0.0004, ema_decay=0.99,
+                           dropout_from_epoch=2)  # fmt: skip
     raw["data"].update(subword_alpha=0.2, subword_variants=3)
     config = tmp_path / "tiny.yaml"
     config.write_text(yaml.safe_dump(raw))
