@@ -147,6 +147,34 @@ def _scatter(rows: Tensor, tokens: Tensor, positions: int) -> Tensor:
     return rows.new_zeros(positions, rows.size(1)).index_copy_(0, tokens, rows)
 
 
+def split_heads(fused: Tensor, parts: int, heads: int) -> tuple[Tensor, ...]:
+    """(B, T, parts x d) side-by-side projections -> `parts` tensors (B, heads, T, d / heads), views of it.
+
+    Through autograd's own ops (view, permute, unbind), the backward pass would stack the gradients
+    of the parts into a new tensor and copy that again to undo the permutation; here it writes them
+    into their places in one pass."""
+    return _SplitHeads.apply(fused, parts, heads)
+
+
+class _SplitHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, fused: Tensor, parts: int, heads: int) -> tuple[Tensor, ...]:
+        batch, length, width = fused.shape
+        ctx.split_shape = (batch, length, parts, heads, width // parts // heads)
+        return fused.view(ctx.split_shape).permute(2, 0, 3, 1, 4).unbind(0)
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor | None) -> tuple[Tensor, None, None]:
+        known = next(grad for grad in grads if grad is not None)
+        fused = known.new_empty(ctx.split_shape)
+        for part, grad in enumerate(grads):
+            if grad is None:
+                fused[:, :, part].zero_()
+            else:
+                fused[:, :, part].copy_(grad.transpose(1, 2))
+        return fused.flatten(2), None, None
+
+
 class Memory:
     """The encoder output (B, S, d) as the decoder layers read it: flat rows of the source positions
     that src_mask (B, 1, 1, S) keeps, made on first use.
@@ -237,11 +265,31 @@ def _gpu_attention_backends(query_length: int, key_length: int) -> list[SDPBacke
     return FUSED_ATTENTION_BACKENDS
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, is_causal: bool, dropout_p: float) -> Tensor:
+def attention_inputs(projected: Tensor) -> Tensor:
+    """Projected queries, keys or values in the dtype attention computes in: a bf16 model on a CPU
+    attends in fp32 (_cpu_bf16_attention), so its projections are cast here, once for q, k and v
+    projected together, rather than one by one inside attention."""
+    if projected.device.type == "cpu" and projected.dtype == torch.bfloat16:
+        return projected.float()
+    return projected
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: Tensor | None,
+    is_causal: bool,
+    dropout_p: float,
+    out_dtype: torch.dtype | None = None,
+) -> Tensor:
     """softmax(q k^T / sqrt(head_dim)) v for q (B, h, Tq, hd) and k, v (B, h, Tk, hd), with the kernel
-    this device and precision run best; mask broadcasts to (B, h, Tq, Tk), True = may attend."""
-    if q.device.type == "cpu" and q.dtype == torch.bfloat16:
-        return _cpu_bf16_attention(q, k, v, mask=mask, is_causal=is_causal, dropout_p=dropout_p)
+    this device and precision run best; mask broadcasts to (B, h, Tq, Tk), True = may attend.
+    out_dtype: the model's dtype, where attention_inputs cast q, k, v to another (default: q's)."""
+    out_dtype = out_dtype or q.dtype
+    if q.device.type == "cpu" and out_dtype == torch.bfloat16:
+        return _cpu_bf16_attention(q, k, v, mask=mask, is_causal=is_causal, dropout_p=dropout_p).to(out_dtype)
     backends = _gpu_attention_backends(q.size(-2), k.size(-2)) if q.device.type == "cuda" else FUSED_ATTENTION_BACKENDS
     with sdpa_kernel(backends, set_priority=q.device.type == "cuda"):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
@@ -250,7 +298,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, is_causal
 def _cpu_bf16_attention(
     q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, is_causal: bool, dropout_p: float
 ) -> Tensor:
-    """Attention of bf16 q, k, v on a CPU, computed in fp32 and returned in bf16.
+    """Attention of a bf16 model on a CPU, computed and returned in fp32 (q, k, v in fp32 or bf16).
 
     In fp32 because PyTorch's fused CPU kernel is slower in bf16, and a bf16 batched matmul makes
     oneDNN compile and keep a kernel for every (batch, length, length) shape it meets, which change
@@ -269,7 +317,7 @@ def _cpu_bf16_attention(
                 )
         else:
             out = dropout(probabilities(q, k, mask, is_causal), dropout_p, training=True) @ v.float()
-    return out.to(v.dtype)
+    return out
 
 
 def probabilities(q: Tensor, k: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor:

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 from functools import partial
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from seq2seq.config import ModelConfig
 from seq2seq.model.dropout import Dropout
-from seq2seq.model.execution import LayerCache, Memory, Rows, attention, probabilities
+from seq2seq.model.execution import LayerCache, Memory, Rows, attention, attention_inputs, probabilities, split_heads
 
 
 class MultiHeadAttention(nn.Module):
@@ -32,28 +33,43 @@ class MultiHeadAttention(nn.Module):
         self.v_proj = nn.Linear(d_model, d_model)
         self.out_proj = nn.Linear(d_model, d_model)
 
-    def split_heads(self, x: Tensor) -> Tensor:
-        batch, length, d_model = x.shape
-        return x.view(batch, length, self.heads, d_model // self.heads).transpose(1, 2)  # (B, h, T, hd)
+    def project_qkv(self, x: Tensor, rows: Rows) -> tuple[Tensor, Tensor, Tensor]:
+        """Self-attention's queries, keys and values (B, h, T, hd) of the flat rows x (rows.padded, d)."""
+        return self._project(x, rows, (self.q_proj, self.k_proj, self.v_proj))
 
     def project_kv(self, x: Tensor, rows: Rows) -> tuple[Tensor, Tensor]:
         """Keys and values (B, h, T, hd) of the flat rows x (rows.padded, d)."""
-        return self.split_heads(rows.unflatten(self.k_proj(x))), self.split_heads(rows.unflatten(self.v_proj(x)))
+        return self._project(x, rows, (self.k_proj, self.v_proj))
+
+    def project_q(self, query: Tensor, rows: Rows) -> Tensor:
+        """Queries (B, h, T, hd) of the flat rows query (rows.padded, d)."""
+        return self._project(query, rows, (self.q_proj,))[0]
+
+    def _project(self, x: Tensor, rows: Rows, projections: tuple[nn.Linear, ...]) -> tuple[Tensor, ...]:
+        """The projections of x side by side: one matrix product with their weights stacked, one move of
+        its rows into (B, T) positions and one cast into attention's dtype, where one each of q, k and
+        v would take three. The weights stay separate Linear layers: the checkpoint layout."""
+        if len(projections) == 1:
+            fused = projections[0](x)
+        else:
+            weight = torch.cat([projection.weight for projection in projections])
+            fused = F.linear(x, weight, torch.cat([projection.bias for projection in projections]))
+        return split_heads(attention_inputs(rows.unflatten(fused)), len(projections), self.heads)
 
     def attend(
-        self, query: Tensor, rows: Rows, k: Tensor, v: Tensor, *, mask: Tensor | None, is_causal: bool = False
+        self, rows: Rows, q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, is_causal: bool = False
     ) -> Tensor:
-        """query (rows.padded, d), flat (B, Tq) positions, against k, v (B, h, Tk, hd) -> (rows.padded, d).
+        """q (B, h, Tq, hd) of flat (B, Tq) positions against k, v (B, h, Tk, hd) -> (rows.padded, d).
 
         mask broadcasts to (B, h, Tq, Tk), True = may attend.
         """
-        q = self.split_heads(rows.unflatten(self.q_proj(query)))
-        out = attention(q, k, v, mask=mask, is_causal=is_causal, dropout_p=self.dropout if self.training else 0.0)
+        out = attention(q, k, v, mask=mask, is_causal=is_causal, dropout_p=self.dropout if self.training else 0.0,
+                        out_dtype=self.out_proj.weight.dtype)  # fmt: skip
         return self.out_proj(rows.flatten(out.transpose(1, 2)))
 
     def weights(self, query: Tensor, rows: Rows, k: Tensor, mask: Tensor | None) -> Tensor:
         """The attention probabilities (B, h, Tq, Tk), for plots; the fused kernel does not return them."""
-        return probabilities(self.split_heads(rows.unflatten(self.q_proj(query))), k, mask, is_causal=False)
+        return probabilities(self.project_q(query, rows), k, mask, is_causal=False)
 
 
 class FeedForward(nn.Module):
@@ -110,7 +126,7 @@ class EncoderLayer(nn.Module):
         """x (rows.padded, d), flat (B, S) positions; src_mask (B, 1, 1, S), True on real tokens."""
 
         def self_attention(h: Tensor) -> Tensor:
-            return self.self_attn.attend(h, rows, *self.self_attn.project_kv(h, rows), mask=src_mask)
+            return self.self_attn.attend(rows, *self.self_attn.project_qkv(h, rows), mask=src_mask)
 
         x = self.self_attn_block(x, self_attention)
         return self.ffn_block(x, self.ffn)
@@ -147,18 +163,20 @@ class DecoderLayer(nn.Module):
         return self.cross_attn.weights(query, rows, k, src_mask)
 
     def _self_attention(self, h: Tensor, rows: Rows, cache: LayerCache | None) -> Tensor:
-        k, v = self.self_attn.project_kv(h, rows)
+        q, k, v = self.self_attn.project_qkv(h, rows)
         if cache is None:  # teacher forcing: the whole prefix at once, the future masked
-            return self.self_attn.attend(h, rows, k, v, mask=None, is_causal=True)
+            return self.self_attn.attend(rows, q, k, v, mask=None, is_causal=True)
         k, v, mask = cache.extend(k, v)
-        return self.self_attn.attend(h, rows, k, v, mask=mask)
+        return self.self_attn.attend(rows, q, k, v, mask=mask)
 
     def _cross_attention(
         self, h: Tensor, rows: Rows, memory: Memory, src_mask: Tensor, cache: LayerCache | None
     ) -> Tensor:
         k, v = self._memory_kv(memory, cache)
         # beams of one sentence share its encoder output: they attend to it as one sentence
-        return self.cross_attn.attend(h, rows.per_sentence(k.size(0)), k, v, mask=src_mask)
+        sentence_rows = rows.per_sentence(k.size(0))
+        q = self.cross_attn.project_q(h, sentence_rows)
+        return self.cross_attn.attend(sentence_rows, q, k, v, mask=src_mask)
 
     def _memory_kv(self, memory: Memory, cache: LayerCache | None) -> tuple[Tensor, Tensor]:
         if cache is None:

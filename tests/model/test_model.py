@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from seq2seq.config import ModelConfig
 from seq2seq.data.special_tokens import PAD_ID, padding_mask
-from seq2seq.model.execution import ROW_MULTIPLE, Memory, Rows, _cpu_bf16_attention
+from seq2seq.model.execution import ROW_MULTIPLE, Memory, Rows, attention, split_heads
 from seq2seq.model.interop import to_torch_transformer
 from seq2seq.model.transformer import Seq2SeqTransformer, sinusoidal_positions
 
@@ -19,16 +19,10 @@ D_MODEL, HEADS, FFN, LAYERS, VOCAB = 32, 4, 64, 2, 50
 
 
 def make_model(norm: str = "post", **overrides) -> Seq2SeqTransformer:
-    config = ModelConfig(
-        d_model=D_MODEL,
-        heads=HEADS,
-        encoder_layers=LAYERS,
-        decoder_layers=LAYERS,
-        ffn_dim=FFN,
-        dropout=0.0,
-        norm=norm,
-        **overrides,
+    settings = dict(
+        d_model=D_MODEL, heads=HEADS, encoder_layers=LAYERS, decoder_layers=LAYERS, ffn_dim=FFN, dropout=0.0
     )
+    config = ModelConfig(**{**settings, "norm": norm, **overrides})
     return Seq2SeqTransformer(config, src_vocab_size=VOCAB, tgt_vocab_size=VOCAB).eval()
 
 
@@ -205,22 +199,26 @@ def test_a_padded_batch_has_the_logits_and_gradients_of_its_sentences_alone(norm
         torch.testing.assert_close(batched_grad, alone_grad, atol=1e-5, rtol=1e-4)
 
 
-def test_position_wise_layers_compute_the_tokens_and_not_the_padding_on_cpu():
-    """execution.Rows: on CPU, every linear, LayerNorm and dropout runs on the token positions alone."""
-    model = make_model("pre")
+def test_position_wise_layers_compute_the_tokens_and_not_the_padding_on_cpu(monkeypatch):
+    """execution.Rows: on CPU, every linear but the output layer (self-attention's q, k, v projected
+    together, cross-attention's k, v of the memory, the feed-forward) runs on the token positions alone."""
+    model = make_model("pre", ffn_dim=5 * D_MODEL)  # every projection's width tells which it is
     src, tgt_in, _, lengths = _padded_pairs()
-    seen = {}
-    for name in ("encoder_layers.0.ffn.fc1", "decoder_layers.1.self_attn.q_proj", "decoder_layers.0.cross_attn.k_proj"):
-        module = model.get_submodule(name)
-        module.register_forward_hook(lambda module, inputs, output, name=name: seen.update({name: inputs[0].size(0)}))
+    linear, calls = F.linear, []
+
+    def counting(x, weight, bias=None):
+        calls.append((weight.size(0), x.size(0)))
+        return linear(x, weight, bias)
+
+    monkeypatch.setattr(F, "linear", counting)
     with torch.no_grad():
         model(src, tgt_in)
     source_tokens, target_tokens = sum(s for s, _ in lengths), sum(t for _, t in lengths)
-    assert seen == {
-        "encoder_layers.0.ffn.fc1": source_tokens,
-        "decoder_layers.1.self_attn.q_proj": target_tokens,
-        "decoder_layers.0.cross_attn.k_proj": source_tokens,
-    }
+    d, config = model.config.d_model, model.config
+    assert calls.count((3 * d, source_tokens)) == config.encoder_layers
+    assert calls.count((3 * d, target_tokens)) == config.decoder_layers
+    assert calls.count((2 * d, source_tokens)) == config.decoder_layers
+    assert {rows for width, rows in calls if width != model.output_proj.out_features} == {source_tokens, target_tokens}
     assert source_tokens < src.numel() and target_tokens < tgt_in.numel()
 
 
@@ -249,6 +247,22 @@ def test_rows_move_values_and_gradients_as_plain_indexing_does(keep, multiple):
     weight = torch.randn(3, 4, 5)
     (gradient,) = torch.autograd.grad((out * weight).sum(), y)
     assert torch.equal(gradient[: rows.used], weight.reshape(12, 5)[kept]) and not gradient[rows.used :].any()
+
+
+@pytest.mark.parametrize("used", [(0, 1, 2), (0, 2)], ids=["every part", "one part unused"])
+def test_split_heads_moves_values_and_gradients_as_views_do(used):
+    """execution.split_heads (q, k, v projected side by side) against view, permute and unbind; a part
+    that nothing reads (no gradient) must get a zero gradient."""
+    batch, length, heads, head_dim = 2, 5, 3, 4
+    fused = torch.randn(batch, length, 3 * heads * head_dim, requires_grad=True)
+    ours = split_heads(fused, 3, heads)
+    theirs = fused.view(batch, length, 3, heads, head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+    assert all(torch.equal(a, b) and a.shape == (batch, heads, length, head_dim) for a, b in zip(ours, theirs))
+    weights = [torch.randn(batch, heads, length, head_dim) for _ in range(3)]
+    gradients = [
+        torch.autograd.grad(sum((parts[i] * weights[i]).sum() for i in used), fused)[0] for parts in (ours, theirs)
+    ]
+    assert torch.equal(*gradients)
 
 
 def test_rows_list_no_token_positions_off_the_cpu():
@@ -294,8 +308,8 @@ def test_bf16_cpu_attention_with_dropout_is_the_same_attention_on_average():
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, HEADS, 5, 8).bfloat16() for _ in range(3))
     mask = torch.tensor([[True] * 5, [True] * 3 + [False] * 2]).view(2, 1, 1, 5)
-    without = _cpu_bf16_attention(q, k, v, mask=mask, is_causal=False, dropout_p=0.0)
-    draws = torch.stack([_cpu_bf16_attention(q, k, v, mask=mask, is_causal=False, dropout_p=0.2) for _ in range(3000)])
+    without = attention(q, k, v, mask=mask, is_causal=False, dropout_p=0.0)
+    draws = torch.stack([attention(q, k, v, mask=mask, is_causal=False, dropout_p=0.2) for _ in range(3000)])
     exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask)
     torch.testing.assert_close(without.double(), exact, atol=2e-2, rtol=1e-2)
     torch.testing.assert_close(draws.double().mean(0), exact, atol=5e-2, rtol=0)
@@ -310,7 +324,7 @@ def test_bf16_cpu_attention_keeps_scores_and_softmax_in_fp32():
     k = (torch.randn(2, HEADS, 9, D_MODEL // HEADS) * 4).bfloat16()
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         probabilities = attention.weights(query, Rows(2, 7), k, mask=None)
-        q = attention.split_heads(attention.q_proj(query).view(2, 7, D_MODEL))  # the same bf16 queries
+        q = attention.q_proj(query).view(2, 7, HEADS, -1).transpose(1, 2)  # the same bf16 queries
     expected = (q.float() @ k.float().transpose(-2, -1) * (D_MODEL // HEADS) ** -0.5).softmax(-1)
     assert probabilities.dtype == torch.float32
     torch.testing.assert_close(probabilities, expected, atol=1e-6, rtol=1e-5)
@@ -322,7 +336,7 @@ def test_the_bf16_training_path_computes_attention_in_fp32(is_causal):
     fp32 attention rounded once to bf16 at the end, not attention over bf16-rounded scores."""
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, HEADS, 9, D_MODEL // HEADS).mul(4).bfloat16() for _ in range(3))
-    out = _cpu_bf16_attention(q, k, v, mask=None, is_causal=is_causal, dropout_p=0.0)
+    out = attention(q, k, v, mask=None, is_causal=is_causal, dropout_p=0.0)
     scores = q.double() @ k.double().transpose(-2, -1) * (D_MODEL // HEADS) ** -0.5
     if is_causal:
         scores = scores.masked_fill(torch.ones(9, 9, dtype=torch.bool).triu(1), float("-inf"))
