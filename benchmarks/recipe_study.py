@@ -67,14 +67,15 @@ def parse_variant(text: str) -> tuple[str, tuple[str, ...]]:
 
 
 def train(config: Path, out: Path, run: Run, budget: list[str], threads: int) -> Outcome:
-    """Train `run` unless its directory holds a finished one; its best validation BLEU."""
+    """Train `run` unless its directory holds a finished one; its best validation BLEU (of the trained
+    weights or, with train.ema_decay, their average: whichever best.pt holds)."""
     run_dir = out / run.name
     if not (run_dir / "checkpoints" / "best.pt").exists():
         settings = [*budget, f"train.threads={threads}", f"train.lr={run.lr}", f"train.seed={run.seed}", *run.overrides]
         command = [sys.executable, "-m", "seq2seq", "-q", "train", str(config), "--run-dir", str(run_dir), "--quiet"]
         subprocess.run(command + [arg for setting in settings for arg in ("--set", setting)], check=True)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    best = max(r["bleu"] for r in records if r["kind"] in ("valid", "average"))
+    best = max(r.get(key, 0.0) for r in records if r["kind"] in ("valid", "average") for key in ("bleu", "ema_bleu"))
     return Outcome(run, max(r["step"] for r in records), best)
 
 
