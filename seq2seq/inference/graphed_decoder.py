@@ -26,6 +26,7 @@ from torch import Tensor
 
 from seq2seq.data.special_tokens import BOS_ID
 from seq2seq.model.execution import Memory, Rows
+from seq2seq.model.layers import memory_keys_values
 from seq2seq.model.transformer import Seq2SeqTransformer
 
 LENGTH_STEP = 32  # buffers hold a multiple of this many positions; they double when a search outgrows them
@@ -105,7 +106,7 @@ class DecoderStep:
         rows = Rows(self.rows, 1)
         x = rows.flatten(model.embed(model.tgt_embed, self.tokens, self.position))
         for layer, cache in zip(model.decoder_layers, self.layers):
-            x = layer(x, rows, None, self.src_mask, cache)
+            x = layer(x, rows, (cache.cross_k, cache.cross_v), self.src_mask, cache)
         return model.output_proj(model.decoder_norm(x))
 
     def capture(self, pool) -> None:
@@ -129,9 +130,9 @@ class DecoderStep:
     def load(self, memory: Tensor, src_mask: Tensor) -> None:
         """Start a batch: the encoder's keys/values and mask, empty self-attention buffers."""
         self.src_mask.copy_(src_mask)
-        flat = Memory(memory, src_mask, 1)
-        for layer, cache in zip(self.model.decoder_layers, self.layers):
-            k, v = layer.cross_attn.project_kv(flat.flat, flat.rows)
+        attentions = [layer.cross_attn for layer in self.model.decoder_layers]
+        every = memory_keys_values(attentions, Memory(memory, src_mask, 1))
+        for (k, v), cache in zip(every, self.layers):
             cache.cross_k.copy_(k)
             cache.cross_v.copy_(v)
             cache.self_k.zero_()

@@ -10,6 +10,7 @@ Transformer checkpoints.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import partial
 
 import torch
@@ -35,26 +36,11 @@ class MultiHeadAttention(nn.Module):
 
     def project_qkv(self, x: Tensor, rows: Rows) -> tuple[Tensor, Tensor, Tensor]:
         """Self-attention's queries, keys and values (B, h, T, hd) of the flat rows x (rows.padded, d)."""
-        return self._project(x, rows, (self.q_proj, self.k_proj, self.v_proj))
-
-    def project_kv(self, x: Tensor, rows: Rows) -> tuple[Tensor, Tensor]:
-        """Keys and values (B, h, T, hd) of the flat rows x (rows.padded, d)."""
-        return self._project(x, rows, (self.k_proj, self.v_proj))
+        return project_together(x, rows, (self.q_proj, self.k_proj, self.v_proj), self.heads)
 
     def project_q(self, query: Tensor, rows: Rows) -> Tensor:
         """Queries (B, h, T, hd) of the flat rows query (rows.padded, d)."""
-        return self._project(query, rows, (self.q_proj,))[0]
-
-    def _project(self, x: Tensor, rows: Rows, projections: tuple[nn.Linear, ...]) -> tuple[Tensor, ...]:
-        """The projections of x side by side: one matrix product with their weights stacked, one move of
-        its rows into (B, T) positions and one cast into attention's dtype, where one each of q, k and
-        v would take three. The weights stay separate Linear layers: the checkpoint layout."""
-        if len(projections) == 1:
-            fused = projections[0](x)
-        else:
-            weight = torch.cat([projection.weight for projection in projections])
-            fused = F.linear(x, weight, torch.cat([projection.bias for projection in projections]))
-        return split_heads(attention_inputs(rows.unflatten(fused)), len(projections), self.heads)
+        return project_together(query, rows, (self.q_proj,), self.heads)[0]
 
     def attend(
         self, rows: Rows, q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, is_causal: bool = False
@@ -70,6 +56,30 @@ class MultiHeadAttention(nn.Module):
     def weights(self, query: Tensor, rows: Rows, k: Tensor, mask: Tensor | None) -> Tensor:
         """The attention probabilities (B, h, Tq, Tk), for plots; the fused kernel does not return them."""
         return probabilities(self.project_q(query, rows), k, mask, is_causal=False)
+
+
+def project_together(x: Tensor, rows: Rows, projections: Sequence[nn.Linear], heads: int) -> tuple[Tensor, ...]:
+    """The projections (B, heads, T, hd) of the flat rows x (rows.padded, d) side by side: one matrix
+    product with their weights stacked, one move of its rows into (B, T) positions and one cast into
+    attention's dtype, where one each per projection would take as many. The weights stay separate
+    Linear layers: the checkpoint layout."""
+    if len(projections) == 1:
+        fused = projections[0](x)
+    else:
+        weight = torch.cat([projection.weight for projection in projections])
+        fused = F.linear(x, weight, torch.cat([projection.bias for projection in projections]))
+    return split_heads(attention_inputs(rows.unflatten(fused)), len(projections), heads)
+
+
+def memory_keys_values(attentions: Sequence[MultiHeadAttention], memory: Memory) -> list[tuple[Tensor, Tensor]]:
+    """The keys and values (B, h, S, hd) of the encoder output for each of the decoder's cross-attentions,
+    all in one matrix product: every layer reads the same memory, so their projections stack like a
+    layer's own q, k and v (LightSeq and CTranslate2 do the same)."""
+    projections = [projection for attention in attentions for projection in (attention.k_proj, attention.v_proj)]
+    if not projections:  # LayerDrop skipped every decoder layer
+        return []
+    parts = project_together(memory.flat, memory.rows, projections, attentions[0].heads)
+    return list(zip(parts[0::2], parts[1::2]))
 
 
 class FeedForward(nn.Module):
@@ -143,24 +153,25 @@ class DecoderLayer(nn.Module):
         self.ffn_block = _residual(config)
 
     def forward(
-        self, x: Tensor, rows: Rows, memory: Memory | None, src_mask: Tensor, cache: LayerCache | None
+        self, x: Tensor, rows: Rows, memory_kv: tuple[Tensor, Tensor], src_mask: Tensor, cache: LayerCache | None
     ) -> Tensor:
-        """x (rows.padded, d), flat (N, T) new target positions, N = B * beams rows grouped by sentence.
+        """x (rows.padded, d), flat (N, T) new target positions, N = B * beams rows grouped by sentence;
+        memory_kv: this layer's keys and values of the encoder output (memory_keys_values), which the
+        decoder computes for all its layers at once.
 
-        With a cache, earlier positions and the encoder's keys/values come from it (a cache that holds
-        the encoder's keys/values already needs no `memory`). The cache may be any object with
-        LayerCache's fields and `extend`: graphed_decoder.StaticLayerCache keeps them in fixed buffers.
+        With a cache, earlier positions come from it. The cache may be any object with LayerCache's
+        self-attention fields and `extend`: graphed_decoder.StaticLayerCache keeps them in fixed buffers.
         """
         x = self.self_attn_block(x, lambda h: self._self_attention(h, rows, cache))
-        x = self.cross_attn_block(x, lambda h: self._cross_attention(h, rows, memory, src_mask, cache))
+        x = self.cross_attn_block(x, lambda h: self._cross_attention(h, rows, memory_kv, src_mask))
         return self.ffn_block(x, self.ffn)
 
-    def cross_attention_weights(self, x: Tensor, rows: Rows, memory: Memory, src_mask: Tensor) -> Tensor:
-        """Cross-attention probabilities (B, h, T, S) of this layer, given its input x (rows.padded, d)."""
+    def cross_attention_weights(self, x: Tensor, rows: Rows, memory_k: Tensor, src_mask: Tensor) -> Tensor:
+        """Cross-attention probabilities (B, h, T, S) of this layer, given its input x (rows.padded, d)
+        and its keys of the encoder output."""
         h = self.self_attn_block(x, lambda y: self._self_attention(y, rows, None))
         query = self.cross_attn_block.norm(h) if self.cross_attn_block.pre_norm else h
-        k, _ = self.cross_attn.project_kv(memory.flat, memory.rows)
-        return self.cross_attn.weights(query, rows, k, src_mask)
+        return self.cross_attn.weights(query, rows, memory_k, src_mask)
 
     def _self_attention(self, h: Tensor, rows: Rows, cache: LayerCache | None) -> Tensor:
         q, k, v = self.self_attn.project_qkv(h, rows)
@@ -169,18 +180,9 @@ class DecoderLayer(nn.Module):
         k, v, mask = cache.extend(k, v)
         return self.self_attn.attend(rows, q, k, v, mask=mask)
 
-    def _cross_attention(
-        self, h: Tensor, rows: Rows, memory: Memory, src_mask: Tensor, cache: LayerCache | None
-    ) -> Tensor:
-        k, v = self._memory_kv(memory, cache)
+    def _cross_attention(self, h: Tensor, rows: Rows, memory_kv: tuple[Tensor, Tensor], src_mask: Tensor) -> Tensor:
+        k, v = memory_kv
         # beams of one sentence share its encoder output: they attend to it as one sentence
         sentence_rows = rows.per_sentence(k.size(0))
         q = self.cross_attn.project_q(h, sentence_rows)
         return self.cross_attn.attend(sentence_rows, q, k, v, mask=src_mask)
-
-    def _memory_kv(self, memory: Memory, cache: LayerCache | None) -> tuple[Tensor, Tensor]:
-        if cache is None:
-            return self.cross_attn.project_kv(memory.flat, memory.rows)
-        if cache.cross_k is None:  # computed once per sentence, reused at every step
-            cache.cross_k, cache.cross_v = self.cross_attn.project_kv(memory.flat, memory.rows)
-        return cache.cross_k, cache.cross_v

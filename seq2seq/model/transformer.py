@@ -17,7 +17,7 @@ from seq2seq.config import ModelConfig
 from seq2seq.data.special_tokens import PAD_ID, padding_mask
 from seq2seq.model.dropout import Dropout
 from seq2seq.model.execution import DecoderCache, Memory, Rows, row_multiple
-from seq2seq.model.layers import DecoderLayer, EncoderLayer, Residual
+from seq2seq.model.layers import DecoderLayer, EncoderLayer, Residual, memory_keys_values
 
 
 def sinusoidal_positions(positions: Tensor, d_model: int) -> Tensor:
@@ -91,10 +91,25 @@ class Seq2SeqTransformer(nn.Module):
 
         Without a cache, tgt's PAD positions must trail its tokens (right padding); their outputs are zeros."""
         x, rows, memory = self._decoder_input(tgt, memory, src_mask, cache)
-        for index, layer in enumerate(self.decoder_layers):
-            if not self._skipped(self.config.decoder_layerdrop):
-                x = layer(x, rows, memory, src_mask, None if cache is None else cache.layers[index])
+        running = [index for index in range(len(self.decoder_layers))
+                   if not self._skipped(self.config.decoder_layerdrop)]  # fmt: skip
+        for index, memory_kv in zip(running, self._memory_keys_values(running, memory, cache)):
+            layer_cache = None if cache is None else cache.layers[index]
+            x = self.decoder_layers[index](x, rows, memory_kv, src_mask, layer_cache)
         return rows.unflatten(self.decoder_norm(x))
+
+    def _memory_keys_values(
+        self, running: list[int], memory: Memory, cache: DecoderCache | None
+    ) -> list[tuple[Tensor, Tensor]]:
+        """The cross-attention keys and values of the decoder layers `running`: from the cache where it
+        holds them, else all in one matrix product (layers.memory_keys_values); a new cache keeps them."""
+        if cache is None:
+            return memory_keys_values([self.decoder_layers[index].cross_attn for index in running], memory)
+        if cache.layers[0].cross_k is None:  # computed once per sentence, reused at every step
+            every = memory_keys_values([layer.cross_attn for layer in self.decoder_layers], memory)
+            for layer_cache, (k, v) in zip(cache.layers, every):
+                layer_cache.cross_k, layer_cache.cross_v = k, v
+        return [(cache.layers[index].cross_k, cache.layers[index].cross_v) for index in running]
 
     def _decoder_input(
         self, tgt: Tensor, memory: Tensor, src_mask: Tensor, cache: DecoderCache | None
@@ -144,9 +159,10 @@ class Seq2SeqTransformer(nn.Module):
         memory = self.encode(src, src_mask)
         x, rows, memory = self._decoder_input(tgt_in, memory, src_mask, None)
         maps = []
-        for layer in self.decoder_layers:
-            maps.append(layer.cross_attention_weights(x, rows, memory, src_mask))
-            x = layer(x, rows, memory, src_mask, None)
+        every = memory_keys_values([layer.cross_attn for layer in self.decoder_layers], memory)
+        for layer, memory_kv in zip(self.decoder_layers, every):
+            maps.append(layer.cross_attention_weights(x, rows, memory_kv[0], src_mask))
+            x = layer(x, rows, memory_kv, src_mask, None)
         return torch.stack(maps)
 
 

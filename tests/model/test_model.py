@@ -13,6 +13,7 @@ from seq2seq.config import ModelConfig
 from seq2seq.data.special_tokens import PAD_ID, padding_mask
 from seq2seq.model.execution import ROW_MULTIPLE, Memory, Rows, attention, split_heads
 from seq2seq.model.interop import to_torch_transformer
+from seq2seq.model.layers import memory_keys_values
 from seq2seq.model.transformer import Seq2SeqTransformer, sinusoidal_positions
 
 D_MODEL, HEADS, FFN, LAYERS, VOCAB = 32, 4, 64, 2, 50
@@ -45,8 +46,9 @@ def test_layers_match_torch_transformer_with_padding(norm):
             memory = layer(memory, src_rows, src_mask)
         memory = Memory(src_rows.unflatten(ours.encoder_norm(memory)), src_mask, ROW_MULTIPLE)
         out = tgt_rows.flatten(tgt_embedded)
-        for layer in ours.decoder_layers:
-            out = layer(out, tgt_rows, memory, src_mask, None)
+        every = memory_keys_values([layer.cross_attn for layer in ours.decoder_layers], memory)
+        for layer, memory_kv in zip(ours.decoder_layers, every, strict=True):
+            out = layer(out, tgt_rows, memory_kv, src_mask, None)
         out = tgt_rows.unflatten(ours.decoder_norm(out))
         expected = ref(
             src_embedded,
@@ -201,7 +203,8 @@ def test_a_padded_batch_has_the_logits_and_gradients_of_its_sentences_alone(norm
 
 def test_position_wise_layers_compute_the_tokens_and_not_the_padding_on_cpu(monkeypatch):
     """execution.Rows: on CPU, every linear but the output layer (self-attention's q, k, v projected
-    together, cross-attention's k, v of the memory, the feed-forward) runs on the token positions alone."""
+    together, the cross-attentions' k, v of the memory, every decoder layer's in one product, the
+    feed-forward) runs on the token positions alone."""
     model = make_model("pre", ffn_dim=5 * D_MODEL)  # every projection's width tells which it is
     src, tgt_in, _, lengths = _padded_pairs()
     linear, calls = F.linear, []
@@ -217,7 +220,8 @@ def test_position_wise_layers_compute_the_tokens_and_not_the_padding_on_cpu(monk
     d, config = model.config.d_model, model.config
     assert calls.count((3 * d, source_tokens)) == config.encoder_layers
     assert calls.count((3 * d, target_tokens)) == config.decoder_layers
-    assert calls.count((2 * d, source_tokens)) == config.decoder_layers
+    assert calls.count((2 * d * config.decoder_layers, source_tokens)) == 1
+    assert 2 * config.decoder_layers not in (3, 5)  # the widths tell the projections apart
     assert {rows for width, rows in calls if width != model.output_proj.out_features} == {source_tokens, target_tokens}
     assert source_tokens < src.numel() and target_tokens < tgt_in.numel()
 

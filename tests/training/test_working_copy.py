@@ -72,17 +72,25 @@ def test_the_masters_stay_fp32_and_the_copy_is_their_rounding_after_each_update(
     assert all(copy.grad is None for copy in copies.values())  # handed over, nothing left to leak into the next
 
 
-def test_a_weight_that_gets_no_gradient_is_left_alone(tokenizer_and_batch):
-    """LayerDrop skips a layer: its weights get no gradient, so not even weight decay moves them."""
+@pytest.mark.parametrize("side", ["encoder", "decoder"])
+def test_a_weight_that_gets_no_gradient_is_left_alone(tokenizer_and_batch, side):
+    """LayerDrop skips a layer: its weights get no gradient, so not even weight decay moves them. On the
+    decoder's side the first layer is skipped and the second runs: the cross-attentions' k, v, which
+    the running layers project together, move only in the second."""
     tokenizer, batch = tokenizer_and_batch
-    skipping = ModelConfig(**{**MODEL.__dict__, "encoder_layerdrop": 1.0})
+    skipping = ModelConfig(**{**MODEL.__dict__, f"{side}_layerdrop": 0.5})
     model = build_model(skipping, tokenizer)
+    decisions = iter([True, False] * MODEL.decoder_layers)  # skip, run, skip, ...
+    model._skipped = lambda rate: rate > 0 and next(decisions)
     before = {name: value.clone() for name, value in model.state_dict().items()}
     one_update(model, batch, "bf16", weight_decay=0.1)
     after = model.state_dict()
-    encoder = [name for name in before if name.startswith("encoder_layers.")]
-    assert encoder and all(torch.equal(before[name], after[name]) for name in encoder)
-    assert not torch.equal(before["decoder_layers.0.ffn.fc1.weight"], after["decoder_layers.0.ffn.fc1.weight"])
+    moved = {name for name in before if not torch.equal(before[name], after[name])}
+    skipped = [name for name in before if name.startswith(f"{side}_layers.0.")]
+    assert skipped and not moved.intersection(skipped)
+    assert {f"{side}_layers.1.self_attn.k_proj.weight", "output_proj.weight"} <= moved
+    if side == "decoder":
+        assert "decoder_layers.1.cross_attn.k_proj.weight" in moved
 
 
 def test_a_resumed_bf16_run_is_the_uninterrupted_one(tmp_path, tiny_data):
