@@ -17,8 +17,11 @@ T = TypeVar("T")
 
 
 def bars_allowed() -> bool:
-    """False when the seq2seq logger's own level hides INFO lines."""
-    return logging.getLogger("seq2seq").level <= logging.INFO
+    """False when the seq2seq logger's level, or that of every handler of it that shows lines (a
+    file keeps them: cli.boundary), hides INFO lines."""
+    logger = logging.getLogger("seq2seq")
+    shown = [handler.level for handler in logger.handlers if not isinstance(handler, logging.FileHandler)]
+    return max(logger.level, min(shown, default=logging.NOTSET)) <= logging.INFO
 
 
 def progress_bar(*, enabled: bool = True, **options) -> tqdm:

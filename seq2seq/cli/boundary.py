@@ -61,14 +61,18 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 def setup_logging() -> None:
-    """Log lines go to stderr (stdout carries only results); --log-level / --quiet choose how many."""
+    """Log lines go to stderr (stdout carries only results); --log-level / --quiet choose how many.
+
+    The logger itself passes INFO lines on whatever stderr shows, so that a run's train.log
+    (run_log.log_to_file) keeps them under --quiet too."""
     handler = _TqdmHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s | %(message)s", "%H:%M:%S"))
     root = logging.getLogger("seq2seq")
     root.handlers[:] = [handler]
     is_main_rank = int(os.environ.get("RANK", "0")) == 0  # under torchrun, rank 0 alone reports progress
-    level = os.environ.get(LOG_LEVEL_VARIABLE, "info").upper()
-    root.setLevel(getattr(logging, level) if is_main_rank else max(logging.WARNING, getattr(logging, level)))
+    level = getattr(logging, os.environ.get(LOG_LEVEL_VARIABLE, "info").upper())
+    handler.setLevel(level if is_main_rank else max(logging.WARNING, level))
+    root.setLevel(min(level, logging.INFO) if is_main_rank else handler.level)
 
 
 DEBUG_VARIABLE = "SEQ2SEQ_DEBUG"

@@ -22,7 +22,8 @@ log = logging.getLogger(__name__)
 
 @contextlib.contextmanager
 def log_to_file(path: Path) -> Iterator[None]:
-    """Copy the toolkit's log lines (those stderr shows) into `path`, appended, while the block runs."""
+    """Copy the toolkit's log lines (INFO and up, whatever stderr shows) into `path`, appended, while
+    the block runs."""
     path.parent.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(path, encoding="utf-8")
     handler.setFormatter(logging.Formatter("%(asctime)s | %(levelname)s | %(message)s", "%Y-%m-%d %H:%M:%S"))

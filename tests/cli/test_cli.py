@@ -89,7 +89,7 @@ def test_train_writes_the_run_directory(trained_run):
     assert kinds == {"train", "valid"}
 
 
-def test_validation_is_logged_to_stderr_and_train_log_and_quiet_silences_it(trained_run, tmp_path):
+def test_validation_is_logged_to_stderr_and_train_log_and_quiet_silences_stderr(trained_run, tmp_path):
     _, config, run_dir, _ = trained_run
     logged = (run_dir / "train.log").read_text()
     assert "step 15: valid loss" in logged and "  hyp: " in logged
@@ -99,6 +99,7 @@ def test_validation_is_logged_to_stderr_and_train_log_and_quiet_silences_it(trai
     assert result.stdout.startswith("stopped after 2 steps")  # the result, on stdout
     assert result.stderr == ""  # --quiet: only warnings and errors, and there were none
     assert '"kind": "valid"' in (tmp_path / "quiet" / "metrics.jsonl").read_text()
+    assert "step 2: valid loss" in (tmp_path / "quiet" / "train.log").read_text()  # the run's log keeps them
 
 
 def test_a_file_is_translated_chunk_by_chunk_in_order(trained_run, tmp_path, monkeypatch):
