@@ -288,14 +288,14 @@ def attention(
     this device and precision run best; mask broadcasts to (B, h, Tq, Tk), True = may attend.
     out_dtype: the model's dtype, where attention_inputs cast q, k, v to another (default: q's)."""
     out_dtype = out_dtype or q.dtype
-    if q.device.type == "cpu" and torch.bfloat16 in (out_dtype, _autocast_dtype(q.device)):
+    if q.device.type == "cpu" and torch.bfloat16 in (out_dtype, autocast_dtype(q.device)):
         return _cpu_bf16_attention(q, k, v, mask=mask, is_causal=is_causal, dropout_p=dropout_p).to(out_dtype)
     backends = _gpu_attention_backends(q.size(-2), k.size(-2)) if q.device.type == "cuda" else FUSED_ATTENTION_BACKENDS
     with sdpa_kernel(backends, set_priority=q.device.type == "cuda"):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
 
 
-def _autocast_dtype(device: torch.device) -> torch.dtype | None:
+def autocast_dtype(device: torch.device) -> torch.dtype | None:
     """The dtype autocast runs matrix products in on this device now (None: autocast is off)."""
     return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
 

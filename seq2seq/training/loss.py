@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from seq2seq.model.execution import autocast_dtype
+
 CHUNK_ROWS = 256  # on CPU: 256 x 8k-vocabulary fp32 rows = 8 MiB, which fits in the last-level cache
 GPU_CHUNK_ELEMENTS = 1 << 26  # on GPU: 256 MiB of fp32 per buffer; a 16k-token batch is one or a few chunks
 
@@ -58,7 +60,7 @@ def _loss_and_gradients(
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """The summed loss, and the gradients of the unscaled loss with respect to hidden and weight where wanted."""
     device, vocab, rows_in_use = hidden.device, weight.size(0), target.size(0)
-    matmul_dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else hidden.dtype
+    matmul_dtype = autocast_dtype(device) or hidden.dtype
     compute_dtype = torch.promote_types(matmul_dtype, torch.float32)
     with torch.autocast(device.type, enabled=False), torch.no_grad():
         rows, layer = hidden.to(matmul_dtype), weight.to(matmul_dtype)
