@@ -133,14 +133,19 @@ def main() -> int:
         with ThreadPoolExecutor(args.jobs) as pool:
             return list(pool.map(lambda run: train(args.config, args.out, run, limit, threads), runs))
 
-    sweep = train_all([Run(name, overrides, lr, 1) for name, overrides, lrs in recipes for lr in lrs])
+    # A recipe with one peak has nothing to choose, so its other seeds train beside the sweep.
+    first = train_all([Run(name, overrides, lr, seed) for name, overrides, lrs in recipes for lr in lrs
+                       for seed in range(1, (args.seeds if len(lrs) == 1 else 1) + 1)])  # fmt: skip
+    sweep = [outcome for outcome in first if outcome.run.seed == 1]
     chosen = {}  # recipe -> its peak with the best validation BLEU
     for outcome in sweep:
         best = chosen.get(outcome.run.recipe)
         if best is None or outcome.valid_bleu > best.valid_bleu:
             chosen[outcome.run.recipe] = outcome
-    seeds = train_all([Run(o.run.recipe, o.run.overrides, o.run.lr, seed) for o in chosen.values()
-                       for seed in range(2, args.seeds + 1)])  # fmt: skip
+    seeds = [outcome for outcome in first if outcome.run.seed > 1]
+    seeds += train_all([Run(o.run.recipe, o.run.overrides, o.run.lr, seed) for o in chosen.values()
+                        if not any(s.run.recipe == o.run.recipe for s in seeds)
+                        for seed in range(2, args.seeds + 1)])  # fmt: skip
     scored = [score(args.config, args.out, outcome, threads, common) for outcome in [*chosen.values(), *seeds]]
     rows = _table(sweep, scored)
     print("\n".join(rows))
