@@ -147,32 +147,34 @@ def _scatter(rows: Tensor, tokens: Tensor, positions: int) -> Tensor:
     return rows.new_zeros(positions, rows.size(1)).index_copy_(0, tokens, rows)
 
 
-def split_heads(fused: Tensor, parts: int, heads: int) -> tuple[Tensor, ...]:
-    """(B, T, parts x d) side-by-side projections -> `parts` tensors (B, heads, T, d / heads), views of it.
+def split_heads(fused: Tensor, parts: int, heads: int, dtype: torch.dtype | None = None) -> tuple[Tensor, ...]:
+    """(B, T, parts x d) side-by-side projections -> `parts` tensors (B, heads, T, d / heads) in `dtype`
+    (default: fused's), views of fused or of its one cast.
 
-    Through autograd's own ops (view, permute, unbind), the backward pass would stack the gradients
-    of the parts into a new tensor and copy that again to undo the permutation; here it writes them
-    into their places in one pass."""
-    return _SplitHeads.apply(fused, parts, heads)
+    Through autograd's own ops (to, view, permute, unbind), the backward pass would stack the gradients
+    of the parts into a new tensor, copy that again to undo the permutation and cast the result back;
+    here it writes them into their places, in fused's dtype, in one pass."""
+    return _SplitHeads.apply(fused, parts, heads, dtype or fused.dtype)
 
 
 class _SplitHeads(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, fused: Tensor, parts: int, heads: int) -> tuple[Tensor, ...]:
+    def forward(ctx, fused: Tensor, parts: int, heads: int, dtype: torch.dtype) -> tuple[Tensor, ...]:
         batch, length, width = fused.shape
         ctx.split_shape = (batch, length, parts, heads, width // parts // heads)
-        return fused.view(ctx.split_shape).permute(2, 0, 3, 1, 4).unbind(0)
+        ctx.fused_dtype = fused.dtype
+        return fused.to(dtype).view(ctx.split_shape).permute(2, 0, 3, 1, 4).unbind(0)
 
     @staticmethod
-    def backward(ctx, *grads: Tensor | None) -> tuple[Tensor, None, None]:
+    def backward(ctx, *grads: Tensor | None) -> tuple[Tensor, None, None, None]:
         known = next(grad for grad in grads if grad is not None)
-        fused = known.new_empty(ctx.split_shape)
+        fused = known.new_empty(ctx.split_shape, dtype=ctx.fused_dtype)
         for part, grad in enumerate(grads):
             if grad is None:
                 fused[:, :, part].zero_()
             else:
                 fused[:, :, part].copy_(grad.transpose(1, 2))
-        return fused.flatten(2), None, None
+        return fused.flatten(2), None, None, None
 
 
 class Memory:
@@ -265,13 +267,13 @@ def _gpu_attention_backends(query_length: int, key_length: int) -> list[SDPBacke
     return FUSED_ATTENTION_BACKENDS
 
 
-def attention_inputs(projected: Tensor) -> Tensor:
-    """Projected queries, keys or values in the dtype attention computes in: a bf16 model on a CPU
-    attends in fp32 (_cpu_bf16_attention), so its projections are cast here, once for q, k and v
-    projected together, rather than one by one inside attention."""
+def attention_dtype(projected: Tensor) -> torch.dtype:
+    """The dtype attention computes in, given projected queries, keys or values: a bf16 model on a
+    CPU attends in fp32 (_cpu_bf16_attention), so split_heads casts its projections once, for q, k and
+    v projected together, rather than attention one by one."""
     if projected.device.type == "cpu" and projected.dtype == torch.bfloat16:
-        return projected.float()
-    return projected
+        return torch.float32
+    return projected.dtype
 
 
 def attention(
@@ -286,7 +288,7 @@ def attention(
 ) -> Tensor:
     """softmax(q k^T / sqrt(head_dim)) v for q (B, h, Tq, hd) and k, v (B, h, Tk, hd), with the kernel
     this device and precision run best; mask broadcasts to (B, h, Tq, Tk), True = may attend.
-    out_dtype: the model's dtype, where attention_inputs cast q, k, v to another (default: q's)."""
+    out_dtype: the model's dtype, where split_heads cast q, k, v to another (default: q's)."""
     out_dtype = out_dtype or q.dtype
     if q.device.type == "cpu" and torch.bfloat16 in (out_dtype, autocast_dtype(q.device)):
         return _cpu_bf16_attention(q, k, v, mask=mask, is_causal=is_causal, dropout_p=dropout_p).to(out_dtype)

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from seq2seq.config import ModelConfig
 from seq2seq.model.dropout import Dropout
-from seq2seq.model.execution import LayerCache, Memory, Rows, attention, attention_inputs, probabilities, split_heads
+from seq2seq.model.execution import LayerCache, Memory, Rows, attention, attention_dtype, probabilities, split_heads
 
 
 class MultiHeadAttention(nn.Module):
@@ -68,7 +68,8 @@ def project_together(x: Tensor, rows: Rows, projections: Sequence[nn.Linear], he
     else:
         weight = torch.cat([projection.weight for projection in projections])
         fused = F.linear(x, weight, torch.cat([projection.bias for projection in projections]))
-    return split_heads(attention_inputs(rows.unflatten(fused)), len(projections), heads)
+    positions = rows.unflatten(fused)
+    return split_heads(positions, len(projections), heads, attention_dtype(positions))
 
 
 def memory_keys_values(attentions: Sequence[MultiHeadAttention], memory: Memory) -> list[tuple[Tensor, Tensor]]:

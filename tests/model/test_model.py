@@ -253,20 +253,25 @@ def test_rows_move_values_and_gradients_as_plain_indexing_does(keep, multiple):
     assert torch.equal(gradient[: rows.used], weight.reshape(12, 5)[kept]) and not gradient[rows.used :].any()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16 attending in fp32"])
 @pytest.mark.parametrize("used", [(0, 1, 2), (0, 2)], ids=["every part", "one part unused"])
-def test_split_heads_moves_values_and_gradients_as_views_do(used):
-    """execution.split_heads (q, k, v projected side by side) against view, permute and unbind; a part
-    that nothing reads (no gradient) must get a zero gradient."""
+def test_split_heads_moves_values_and_gradients_as_views_do(used, dtype):
+    """execution.split_heads (q, k, v projected side by side) against a cast, view, permute and unbind;
+    a part that nothing reads (no gradient) must get a zero gradient, and the gradient comes back in
+    the projections' dtype (bf16 projections that attention reads in fp32, as on a CPU)."""
     batch, length, heads, head_dim = 2, 5, 3, 4
-    fused = torch.randn(batch, length, 3 * heads * head_dim, requires_grad=True)
-    ours = split_heads(fused, 3, heads)
-    theirs = fused.view(batch, length, 3, heads, head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-    assert all(torch.equal(a, b) and a.shape == (batch, heads, length, head_dim) for a, b in zip(ours, theirs))
+    fused = torch.randn(batch, length, 3 * heads * head_dim, dtype=dtype, requires_grad=True)
+    ours = split_heads(fused, 3, heads, torch.float32)
+    theirs = fused.float().view(batch, length, 3, heads, head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+    assert all(
+        torch.equal(a, b) and a.shape == (batch, heads, length, head_dim) and a.dtype == torch.float32
+        for a, b in zip(ours, theirs)
+    )
     weights = [torch.randn(batch, heads, length, head_dim) for _ in range(3)]
     gradients = [
         torch.autograd.grad(sum((parts[i] * weights[i]).sum() for i in used), fused)[0] for parts in (ours, theirs)
     ]
-    assert torch.equal(*gradients)
+    assert gradients[0].dtype == dtype and torch.equal(*gradients)
 
 
 def test_rows_list_no_token_positions_off_the_cpu():
