@@ -7,8 +7,9 @@ chunk at a time; each chunk of logits is reduced to its loss while it is in cach
 gradient is wanted, turned at once into its closed-form gradient softmax(z) - (1 - eps) * onehot(y)
 - eps / V and multiplied into the gradients of the rows and of the weight. The loss is the last
 operation of the graph, so nothing it needs comes later: backward only scales the two gradients by
-the incoming one. The chunk work goes through PyTorch's (log_)softmax kernels, whose vectorised exp
-is faster on CPU than torch.exp or logsumexp, into reused buffers.
+the incoming one. The chunk work goes through PyTorch's log_softmax kernel, whose vectorised exp is
+faster on CPU than torch.exp or logsumexp over the logits, into reused buffers; the probabilities are
+then the exponentials of the log-probabilities, made in place (one pass, where softmax takes three).
 
 The matrix products run in the precision of the enclosing autocast (bf16, fp16), as the output
 layer's Linear did, and everything after them in fp32.
@@ -86,7 +87,7 @@ def _loss_and_gradients(
             total -= (1.0 - smoothing) * log_probs.gather(1, chunk_target).sum() + (smoothing / vocab) * log_probs.sum()
             if grad_rows is None and grad_weight is None:
                 continue
-            grad = torch.softmax(z, dim=-1, out=scratch[:real])  # d loss / d logits, built in place
+            grad = log_probs.exp_()  # softmax(z): d loss / d logits, built in place
             grad.sub_(smoothing / vocab)
             grad.scatter_add_(1, chunk_target, grad.new_full((real, 1), smoothing - 1.0))
             scratch[real:count] = 0.0
