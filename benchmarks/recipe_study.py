@@ -143,9 +143,9 @@ def main() -> int:
         if best is None or outcome.valid_bleu > best.valid_bleu:
             chosen[outcome.run.recipe] = outcome
     seeds = [outcome for outcome in first if outcome.run.seed > 1]
+    seeded = {outcome.run.recipe for outcome in seeds}
     seeds += train_all([Run(o.run.recipe, o.run.overrides, o.run.lr, seed) for o in chosen.values()
-                        if not any(s.run.recipe == o.run.recipe for s in seeds)
-                        for seed in range(2, args.seeds + 1)])  # fmt: skip
+                        if o.run.recipe not in seeded for seed in range(2, args.seeds + 1)])  # fmt: skip
     scored = [score(args.config, args.out, outcome, threads, common) for outcome in [*chosen.values(), *seeds]]
     rows = _table(sweep, scored)
     print("\n".join(rows))
