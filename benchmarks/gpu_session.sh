@@ -11,7 +11,9 @@
 # included), gpu (the GPU-marked tests alone), train:TOKENS (Transformer-base bf16, compiled, at
 # TOKENS a batch, into the ledger; its three compiles take about three minutes), decode (GPU
 # decoding against nn.Transformer and CTranslate2; needs runs/demo, carried), converge:STEPS (Transformer-
-# base eager and compiled for STEPS updates at TOKENS a batch: their valid losses).
+# base eager and compiled for STEPS updates at TOKENS a batch: their valid losses), profile:TOKENS (where
+# the compiled Transformer-base bf16 step's time goes at TOKENS a batch: device time by kind of kernel,
+# launches, the op census; into the ledger).
 set -u
 OUT=${OUT:-/tmp/gpu_session}
 mkdir -p "$OUT"
@@ -58,6 +60,12 @@ for step in "$@"; do
         --model base --max-tokens "$tokens" --compile --sides "ours bf16" --warmup 60 --steps 40 --threads 8 \
         >"$OUT/train_$tokens.log" 2>&1
       elapsed "train $tokens: exit $?"; grep "^|" "$OUT/train_$tokens.log" ;;
+    profile:*)
+      tokens=${step#profile:}
+      PYTHONUNBUFFERED=1 timeout "${PROFILE_SECONDS:-300}" python3 benchmarks/ledger.py run profile_train.py \
+        --model base --max-tokens "$tokens" --precision bf16 --compile --warmup 40 --steps 20 --profile-steps 3 \
+        --threads 8 >"$OUT/profile_$tokens.log" 2>&1
+      elapsed "profile $tokens: exit $?"; grep -A14 "tokens/batch, " "$OUT/profile_$tokens.log" ;;
     converge:*)  # the compiled step trains as the eager one: valid loss after the same updates (same batches)
       steps=${step#converge:}
       base="model.d_model=512 model.heads=8 model.ffn_dim=2048 model.encoder_layers=6 model.decoder_layers=6 model.norm=post"
@@ -79,7 +87,7 @@ print(f'valid loss after $steps updates: eager {loss[\"false\"]:.4f}, compiled {
       LD_LIBRARY_PATH=/tmp/cuda12:${LD_LIBRARY_PATH:-} timeout "${DECODE_SECONDS:-240}" \
         python3 benchmarks/ledger.py run benchmark_decode.py --device cuda >"$OUT/decode.log" 2>&1
       elapsed "decode: exit $?"; grep "^|" "$OUT/decode.log" ;;
-    *) echo "unknown step: $step (expected wheels, setup, suite, gpu, train:TOKENS, converge:STEPS or decode)" >&2; exit 2 ;;
+    *) echo "unknown step: $step (expected wheels, setup, suite, gpu, train:TOKENS, profile:TOKENS, converge:STEPS or decode)" >&2; exit 2 ;;
   esac
 done
 tar czf "$OUT/results.tgz" benchmarks/results/*/*gpu* 2>/dev/null
