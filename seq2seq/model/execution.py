@@ -9,7 +9,6 @@ kernel multiplies them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -182,20 +181,29 @@ class Memory:
     that src_mask (B, 1, 1, S) keeps, made on first use.
 
     With a filled cache the decoder reads the encoder's keys/values from it, so an incremental
-    search step pays for neither flattening the memory nor listing its positions again.
+    search step pays for neither flattening the memory nor listing its positions again. Made on
+    first use by hand, not through functools.cached_property: before Python 3.12 that takes a lock,
+    which torch.compile cannot trace, so a compiled decoder broke into pieces at every layer and
+    fell back to running eagerly.
     """
 
     def __init__(self, memory: Tensor, src_mask: Tensor, multiple: int) -> None:
         self._memory, self._src_mask, self._multiple = memory, src_mask, multiple
+        self._rows: Rows | None = None
+        self._flat: Tensor | None = None
 
-    @cached_property
+    @property
     def rows(self) -> Rows:
-        return Rows.of(self._src_mask[:, 0, 0], self._multiple)
+        if self._rows is None:
+            self._rows = Rows.of(self._src_mask[:, 0, 0], self._multiple)
+        return self._rows
 
-    @cached_property
+    @property
     def flat(self) -> Tensor:
         """(rows.padded, d)"""
-        return self.rows.flatten(self._memory)
+        if self._flat is None:
+            self._flat = self.rows.flatten(self._memory)
+        return self._flat
 
 
 @dataclass

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+import seq2seq.model.dropout as dropout_module
 from seq2seq.config import ModelConfig
 from seq2seq.data.special_tokens import PAD_ID, padding_mask
 from seq2seq.model.execution import ROW_MULTIPLE, Memory, Rows, attention, split_heads
@@ -280,6 +281,23 @@ def test_rows_list_no_token_positions_off_the_cpu():
     assert Rows.of(keep, 1).tokens.tolist() == [0, 1, 3]
     assert Rows.of(keep.to("meta"), 1).tokens is None
     assert Rows.of(torch.ones(2, 3, dtype=torch.bool), 1).tokens is None  # nothing to skip
+
+
+def test_training_compiles_the_model_as_one_graph_on_the_gpu_path(monkeypatch):
+    """Where training is compiled (on a GPU), nothing in the model may break torch.compile's graph:
+    each break is a piece compiled and launched apart, and on Python 3.11 the lock inside
+    functools.cached_property made the compiled decoder fall back to running eagerly. A CPU runs the
+    GPU's path once its two CPU-only choices are off: listing the token positions and the cheap
+    dropout mask. fullgraph=True raises at the first break."""
+    every_position = classmethod(lambda cls, keep, multiple: cls(keep.size(0), keep.size(1), multiple))
+    monkeypatch.setattr(Rows, "of", every_position)
+    monkeypatch.setattr(dropout_module, "dropout", lambda x, p, *, training: F.dropout(x, p, training=training))
+    model = make_model("post", dropout=0.1).train()
+    compiled = torch.compile(model, fullgraph=True, dynamic=True, backend="eager")
+    src, tgt_in, _, _ = _padded_pairs()
+    for cut in (0, 1):  # a second batch of other lengths runs through the same graph
+        compiled(src[:, cut:], tgt_in[:, : tgt_in.size(1) - cut], output_layer=False).sum().backward()
+    assert all(parameter.grad is not None for parameter in model.parameters())
 
 
 def test_beams_sharing_one_memory_row_equal_a_repeated_memory():
