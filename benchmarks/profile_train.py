@@ -146,6 +146,9 @@ def main() -> int:
         args.work = work
         for max_tokens in sizes:
             args.max_tokens = max_tokens
+            # each size compiles afresh, as in a run of its own: dynamo's recompile limit counts per code
+            # object, not per model, so a second size ran eagerly past the first's compiles (ledger, H100)
+            torch.compiler.reset()
             summary.append(profile_size(args))
     print(
         "\n| tokens/batch | ms/step | target tokens/s | model TFLOP/s | device busy ms/step | launches/step "
