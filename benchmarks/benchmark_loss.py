@@ -5,9 +5,11 @@ The decoder rows and output weight are those of one 4,000-token training batch o
 model (rows x d 256, an 8k vocabulary). Each round times every side in turn (best of --rounds, so a
 slow spell of a shared machine falls on all sides alike), in fp32 and, where this machine runs
 bf16 natively (training/precision.py), under bf16 autocast, as a user's loop would run it. The
-largest single allocation of each side is printed too: PyTorch's holds the whole logits.
+largest single allocation of each side is printed too: PyTorch's holds the whole logits. With
+--chunk-rows, ours runs once per CPU chunk size given (training/loss.py's CHUNK_ROWS), side by side.
 
     python benchmarks/benchmark_loss.py [--rows 3500] [--vocab 8000] [--rounds 5] [--repeats 5]
+    python benchmarks/benchmark_loss.py --chunk-rows 256 512 1024
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch.nn.functional as F
 from ledger import describe_machine
 from torch.profiler import ProfilerActivity, profile
 
+from seq2seq.training import loss as loss_module
 from seq2seq.training.loss import output_layer_loss
 from seq2seq.training.precision import cpu_has_native_bf16
 
@@ -35,6 +38,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=5, help="calls per side per round")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--chunk-rows", type=int, nargs="+", default=[loss_module.CHUNK_ROWS],
+                        help="rows per loss chunk on a CPU, one side of ours each")  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -45,26 +50,32 @@ def main() -> None:
         "F.linear + F.cross_entropy": lambda: F.cross_entropy(
             F.linear(hidden, weight), target, label_smoothing=SMOOTHING, reduction="sum"
         ),
-        "ours (fused)": lambda: output_layer_loss(hidden, weight, target, SMOOTHING),
     }
+    for rows in args.chunk_rows:
+        sides[f"ours (fused), {rows}-row chunks"] = functools.partial(_ours_in_chunks, rows, hidden, weight, target)
     precisions = {"fp32": None} | ({"bf16": torch.bfloat16} if cpu_has_native_bf16() else {})
     print(f"{describe_machine()}, {args.threads} threads")
     no_bf16 = "" if "bf16" in precisions else "; no bf16 side: this CPU emulates it"
     print(f"{args.rows} rows x d {args.width} -> {args.vocab} classes, forward + backward; "
           f"best of {args.rounds} rounds of {args.repeats} calls per side{no_bf16}")  # fmt: skip
+    print("\n| precision | side | ms per call | largest allocation MiB | speed vs F.cross_entropy |")
+    print("|---|---|---|---|---|")
     for precision, dtype in precisions.items():
         autocast = functools.partial(torch.autocast, "cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None)
         best = {name: float("inf") for name in sides}
         for _ in range(args.rounds):
             for name, loss_of in sides.items():
                 best[name] = min(best[name], _seconds_per_call(loss_of, autocast, hidden, weight, args.repeats))
-        reference, fused = best.values()
-        largest = {name: _largest_allocation(loss_of, autocast) for name, loss_of in sides.items()}
-        for name in sides:
-            print(
-                f"  {precision} {name}: {best[name] * 1e3:.1f} ms, largest allocation {largest[name] / 2**20:,.0f} MiB"
-            )
-        print(f"  {precision}: ours {reference / fused:.2f}x")
+        reference = best["F.linear + F.cross_entropy"]
+        for name, loss_of in sides.items():
+            largest = _largest_allocation(loss_of, autocast) / 2**20
+            print(f"| {precision} | {name} | {best[name] * 1e3:.1f} | {largest:,.0f} | {reference / best[name]:.2f}x |")
+
+
+def _ours_in_chunks(rows: int, hidden, weight, target):
+    """Our fused loss with `rows` rows per chunk on a CPU."""
+    loss_module.CHUNK_ROWS = rows
+    return output_layer_loss(hidden, weight, target, SMOOTHING)
 
 
 def _seconds_per_call(loss_of, autocast, hidden, weight, repeats: int) -> float:
