@@ -6,7 +6,8 @@ model (rows x d 256, an 8k vocabulary). Each round times every side in turn (bes
 slow spell of a shared machine falls on all sides alike), in fp32 and, where this machine runs
 bf16 natively (training/precision.py), under bf16 autocast, as a user's loop would run it. The
 largest single allocation of each side is printed too: PyTorch's holds the whole logits. With
---chunk-rows, ours runs once per CPU chunk size given (training/loss.py's CHUNK_ROWS), side by side.
+--chunk-rows, ours runs once per CPU chunk size given, side by side (training/loss.py sizes them by
+CPU_CHUNK_ELEMENTS).
 
     python benchmarks/benchmark_loss.py [--rows 3500] [--vocab 8000] [--rounds 5] [--repeats 5]
     python benchmarks/benchmark_loss.py --chunk-rows 256 512 1024
@@ -38,8 +39,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=5, help="calls per side per round")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--chunk-rows", type=int, nargs="+", default=[loss_module.CHUNK_ROWS],
-                        help="rows per loss chunk on a CPU, one side of ours each")  # fmt: skip
+    parser.add_argument("--chunk-rows", type=int, nargs="+", default=[],
+                        help="rows per loss chunk on a CPU, one side of ours each (default: as shipped)")  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -51,8 +52,11 @@ def main() -> None:
             F.linear(hidden, weight), target, label_smoothing=SMOOTHING, reduction="sum"
         ),
     }
-    for rows in args.chunk_rows:
-        sides[f"ours (fused), {rows}-row chunks"] = functools.partial(_ours_in_chunks, rows, hidden, weight, target)
+    shipped = loss_module.CPU_CHUNK_ELEMENTS
+    for rows in args.chunk_rows or [None]:
+        name = "ours (fused)" if rows is None else f"ours (fused), {rows}-row chunks"
+        elements = shipped if rows is None else rows * args.vocab
+        sides[name] = functools.partial(_ours_in_chunks, elements, hidden, weight, target)
     precisions = {"fp32": None} | ({"bf16": torch.bfloat16} if cpu_has_native_bf16() else {})
     print(f"{describe_machine()}, {args.threads} threads")
     no_bf16 = "" if "bf16" in precisions else "; no bf16 side: this CPU emulates it"
@@ -72,9 +76,9 @@ def main() -> None:
             print(f"| {precision} | {name} | {best[name] * 1e3:.1f} | {largest:,.0f} | {reference / best[name]:.2f}x |")
 
 
-def _ours_in_chunks(rows: int, hidden, weight, target):
-    """Our fused loss with `rows` rows per chunk on a CPU."""
-    loss_module.CHUNK_ROWS = rows
+def _ours_in_chunks(elements: int, hidden, weight, target):
+    """Our fused loss with chunks of `elements` logits on a CPU."""
+    loss_module.CPU_CHUNK_ELEMENTS = elements
     return output_layer_loss(hidden, weight, target, SMOOTHING)
 
 

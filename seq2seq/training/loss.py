@@ -20,10 +20,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from seq2seq.data.batching import POSITION_MULTIPLE
 from seq2seq.model.execution import autocast_dtype
 
-CHUNK_ROWS = 256  # on CPU: 256 x 8k-vocabulary fp32 rows = 8 MiB, which fits in the last-level cache
-GPU_CHUNK_ELEMENTS = 1 << 26  # on GPU: 256 MiB of fp32 per buffer; a 16k-token batch is one or a few chunks
+# Logits per chunk. On a CPU, 16 MiB of fp32 per buffer (512 rows of an 8k vocabulary, 256 of a 16k
+# one): chunks half that size were slower over all, twice that size slower in bf16 (benchmark_loss
+# --chunk-rows, in the ledger). On a GPU, 256 MiB: a 16k-token batch is one or a few chunks.
+CPU_CHUNK_ELEMENTS = 1 << 22
+GPU_CHUNK_ELEMENTS = 1 << 26
 
 
 def output_layer_loss(hidden: Tensor, weight: Tensor, target: Tensor, smoothing: float) -> Tensor:
@@ -75,9 +79,9 @@ def _loss_and_gradients(
         total = torch.zeros((), dtype=torch.float64, device=device)
         for start in range(0, rows_in_use, step):
             # Every matmul of a chunk, the gradient's too, runs to the padded end of its rows: with
-            # batching.POSITION_MULTIPLE dividing CHUNK_ROWS, every row count is then a multiple of
-            # it, and bf16 matmuls on CPU build one oneDNN kernel per row count. Padding rows get a
-            # zero gradient.
+            # chunks of a multiple of batching.POSITION_MULTIPLE rows (_chunk_rows), every row count
+            # is then a multiple of it, and bf16 matmuls on CPU build one oneDNN kernel per row
+            # count. Padding rows get a zero gradient.
             stop, real = min(start + step, hidden.size(0)), min(step, rows_in_use - start)
             count = stop - start
             z = torch.mm(rows[start:stop], layer.t(), out=logits[:count])  # (count, V)
@@ -114,7 +118,10 @@ def _to_dtype(chunk: Tensor, buffer: Tensor) -> Tensor:
 
 
 def _chunk_rows(device: torch.device, vocab: int, rows: int) -> int:
-    """Rows per chunk. A CPU wants chunks that stay in its cache; a GPU wants few, large ones, since
-    every chunk launches about a dozen kernels, host time the GPU waits for (docs/performance.md, GPU)."""
-    wanted = CHUNK_ROWS if device.type == "cpu" else GPU_CHUNK_ELEMENTS // vocab
+    """Rows per chunk. A CPU wants chunks that stay in its cache, in a multiple of POSITION_MULTIPLE
+    rows where one fits; a GPU wants few, large ones, since every chunk launches about a dozen
+    kernels, host time the GPU waits for (docs/performance.md, GPU)."""
+    wanted = (CPU_CHUNK_ELEMENTS if device.type == "cpu" else GPU_CHUNK_ELEMENTS) // vocab
+    if device.type == "cpu" and wanted >= POSITION_MULTIPLE:
+        wanted -= wanted % POSITION_MULTIPLE
     return max(1, min(wanted, rows))

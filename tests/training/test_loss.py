@@ -26,7 +26,7 @@ def _reference(hidden, weight, target, smoothing, scale=1.0):
 
 @pytest.mark.parametrize("smoothing", [0.0, 0.1, 0.3])
 def test_matches_linear_and_cross_entropy_across_chunks_and_padding_rows(smoothing, monkeypatch):
-    monkeypatch.setattr(loss_module, "CHUNK_ROWS", 7)  # several chunks, a ragged last one, padding rows
+    monkeypatch.setattr(loss_module, "CPU_CHUNK_ELEMENTS", 7 * 11)  # 7 rows: chunks, a ragged one, padding rows
     hidden, weight = _inputs(32, 5, 11)
     target = torch.randint(0, 11, (30,))
     ours = output_layer_loss(hidden, weight, target, smoothing)
@@ -39,7 +39,7 @@ def test_matches_linear_and_cross_entropy_across_chunks_and_padding_rows(smoothi
 
 
 def test_gradcheck_and_one_input_without_gradient(monkeypatch):
-    monkeypatch.setattr(loss_module, "CHUNK_ROWS", 2)
+    monkeypatch.setattr(loss_module, "CPU_CHUNK_ELEMENTS", 2 * 6)
     hidden, weight = _inputs(5, 3, 6)
     target = torch.randint(0, 6, (4,))
     assert torch.autograd.gradcheck(lambda h, w: output_layer_loss(h, w, target, 0.2), (hidden, weight))
@@ -51,7 +51,7 @@ def test_gradcheck_and_one_input_without_gradient(monkeypatch):
 
 def test_without_gradients_the_loss_is_the_same(monkeypatch):
     """Validation calls it under no_grad: the forward alone, the same value."""
-    monkeypatch.setattr(loss_module, "CHUNK_ROWS", 7)
+    monkeypatch.setattr(loss_module, "CPU_CHUNK_ELEMENTS", 7 * 11)
     hidden, weight = _inputs(32, 5, 11)
     target = torch.randint(0, 11, (30,))
     with torch.no_grad():
@@ -68,8 +68,8 @@ def test_without_gradients_the_loss_is_the_same(monkeypatch):
 def test_under_bf16_autocast_it_computes_what_the_autocast_linear_did(device, monkeypatch):
     """The matmuls in bf16 as the output layer's Linear ran them under autocast, the loss in fp32;
     bf16 chunks go through reused buffers, so a ragged last chunk must not see stale rows. A GPU
-    sizes its chunks by GPU_CHUNK_ELEMENTS, a CPU by CHUNK_ROWS: 7 rows either way."""
-    monkeypatch.setattr(loss_module, "CHUNK_ROWS", 7)
+    sizes its chunks by GPU_CHUNK_ELEMENTS, a CPU by CPU_CHUNK_ELEMENTS: 7 rows either way."""
+    monkeypatch.setattr(loss_module, "CPU_CHUNK_ELEMENTS", 7 * 11)
     monkeypatch.setattr(loss_module, "GPU_CHUNK_ELEMENTS", 7 * 11)  # 7 rows of 11 classes
     hidden, weight = (tensor.detach().to(device).requires_grad_() for tensor in _inputs(32, 8, 11, torch.float32))
     target = torch.randint(0, 11, (30,), device=device)
@@ -92,7 +92,7 @@ def test_every_matmul_sees_a_padded_row_count(autocast, monkeypatch):
     """bf16 matmuls on CPU build one oneDNN kernel per row count (test_long_run_memory): the loss's
     products, its gradient's included, run on the padded rows (a multiple of the chunk here), never on
     the ragged count of real targets."""
-    monkeypatch.setattr(loss_module, "CHUNK_ROWS", 64)
+    monkeypatch.setattr(loss_module, "CPU_CHUNK_ELEMENTS", 100 * 50)  # 100 rows, cut to 64
     hidden, weight = _inputs(128, 16, 50, dtype=torch.float32)
     target = torch.randint(0, 50, (100,))
     bf16 = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)
@@ -106,8 +106,9 @@ def test_every_matmul_sees_a_padded_row_count(autocast, monkeypatch):
     assert row_counts == {64}, row_counts
 
 
-def test_the_logits_never_exist_whole():
+def test_the_logits_never_exist_whole(monkeypatch):
     """The point of fusing: no allocation of forward + backward is as large as the (R, V) logits."""
+    monkeypatch.setattr(loss_module, "CPU_CHUNK_ELEMENTS", 256 * 2000)  # 256-row chunks of the 1,024 rows
     hidden, weight = _inputs(1024, 16, 2000, dtype=torch.float32)
     target = torch.randint(0, 2000, (1000,))
     logits_bytes = 1024 * 2000 * 4
