@@ -24,8 +24,8 @@ from seq2seq.data.batching import POSITION_MULTIPLE
 from seq2seq.model.execution import autocast_dtype
 
 # Logits per chunk. On a CPU, 16 MiB of fp32 per buffer (512 rows of an 8k vocabulary, 256 of a 16k
-# one): chunks half that size were slower over all, twice that size slower in bf16 (benchmark_loss
-# --chunk-rows, in the ledger). On a GPU, 256 MiB: a 16k-token batch is one or a few chunks.
+# one): the fastest chunk size or close to it in fp32 and bf16 (benchmark_loss --chunk-rows, in the
+# ledger). On a GPU, 256 MiB: a 16k-token batch is one or a few chunks.
 CPU_CHUNK_ELEMENTS = 1 << 22
 GPU_CHUNK_ELEMENTS = 1 << 26
 
