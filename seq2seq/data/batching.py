@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from seq2seq.data.encoded import EncodedCorpus
+from seq2seq.data.encoded import EncodedCorpus, RaggedIds
 from seq2seq.data.special_tokens import BOS_ID, EOS_ID, PAD_ID
 
 # The output layer projects the real target positions of a batch, a count that differs in nearly
@@ -57,13 +57,10 @@ def pad(sequences: Sequence[np.ndarray | list[int]]) -> Tensor:
     return torch.from_numpy(out)
 
 
-def collate(src: Sequence[np.ndarray], tgt: Sequence[np.ndarray]) -> Batch:
-    tgt_in = pad([np.concatenate([[BOS_ID], t]) for t in tgt])
-    tgt_out = pad([np.concatenate([t, [EOS_ID]]) for t in tgt])
-    positions = (tgt_out.flatten() != PAD_ID).nonzero().squeeze(1)
-    targets = tgt_out.flatten()[positions]
-    padded = F.pad(positions, (0, -len(positions) % POSITION_MULTIPLE))  # pointing at position 0
-    return Batch(pad(src), tgt_in, tgt_out, padded, targets, len(targets))
+def collate(src: Sequence[np.ndarray | list[int]], tgt: Sequence[np.ndarray | list[int]]) -> Batch:
+    """The Batch of these source sentences (ending with EOS) and target sentences (without BOS/EOS)."""
+    corpus = EncodedCorpus(RaggedIds.from_lists(src), RaggedIds.from_lists(tgt))
+    return make_batch(corpus, np.arange(len(corpus)))
 
 
 def token_batches(lengths: np.ndarray, *, max_tokens: int, order_noise: np.ndarray | None = None) -> list[np.ndarray]:
@@ -95,7 +92,14 @@ def epoch_batches(corpus: EncodedCorpus, *, max_tokens: int, seed: int, epoch: i
 
 
 def make_batch(corpus: EncodedCorpus, indices: np.ndarray) -> Batch:
-    return collate([corpus.src[i] for i in indices], [corpus.tgt[i] for i in indices])
+    """The Batch of the sentence pairs `indices` of `corpus`."""
+    tgt_out = torch.from_numpy(corpus.tgt.padded(indices, last=EOS_ID))
+    positions = (tgt_out.flatten() != PAD_ID).nonzero().squeeze(1)
+    targets = tgt_out.flatten()[positions]
+    padded = F.pad(positions, (0, -len(positions) % POSITION_MULTIPLE))  # pointing at position 0
+    src = torch.from_numpy(corpus.src.padded(indices))
+    tgt_in = torch.from_numpy(corpus.tgt.padded(indices, first=BOS_ID))
+    return Batch(src, tgt_in, tgt_out, padded, targets, len(targets))
 
 
 def padding_fraction(corpus: EncodedCorpus, batches: list[np.ndarray]) -> float:

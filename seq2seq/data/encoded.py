@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from seq2seq.data.sources import chunked
+from seq2seq.data.special_tokens import PAD_ID
 from seq2seq.data.tokenizer import SubwordSampling, Tokenizer
 
 ENCODE_CHUNK = 50_000  # sentences per tokenizer call: bounds the temporary Python lists
@@ -53,6 +54,25 @@ class RaggedIds:
 
     def lengths(self) -> np.ndarray:
         return np.diff(self.offsets)
+
+    def padded(self, indices: np.ndarray, *, first: int | None = None, last: int | None = None) -> np.ndarray:
+        """Sentences `indices` as rows of a (len(indices), longest) int64 matrix, right-padded with
+        PAD; `first` / `last`, where given, an id placed before / after each sentence's ids.
+
+        One gather for the whole batch: a Python loop over its sentences took milliseconds of host
+        time per batch at GPU batch sizes, time in which the GPU waited for its next step."""
+        lengths = self.lengths()[indices]
+        shift = int(first is not None)
+        width = int(lengths.max(initial=0)) + shift + int(last is not None)
+        columns = np.arange(width)
+        inside = (columns >= shift) & (columns < lengths[:, None] + shift)
+        out = np.full((len(indices), width), PAD_ID, dtype=np.int64)
+        out[inside] = self.ids[(self.offsets[indices][:, None] + columns - shift)[inside]]
+        if first is not None:
+            out[:, 0] = first
+        if last is not None:
+            out[np.arange(len(indices)), lengths + shift] = last
+        return out
 
     def subset(self, keep: np.ndarray) -> RaggedIds:
         """The sentences where the boolean mask `keep` is true, gathered without a Python loop."""

@@ -3,8 +3,17 @@
 from __future__ import annotations
 
 import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
 
-from seq2seq.data.batching import POSITION_MULTIPLE, collate, epoch_batches, padding_fraction, token_batches
+from seq2seq.data.batching import (
+    POSITION_MULTIPLE,
+    collate,
+    epoch_batches,
+    make_batch,
+    padding_fraction,
+    token_batches,
+)
 from seq2seq.data.encoded import EncodedCorpus, RaggedIds
 from seq2seq.data.special_tokens import BOS_ID, EOS_ID, PAD_ID
 
@@ -15,6 +24,31 @@ def test_collate_builds_the_teacher_forcing_shift():
     assert batch.tgt_in.tolist() == [[BOS_ID, 8, 9], [BOS_ID, 10, PAD_ID]]
     assert batch.tgt_out.tolist() == [[8, 9, EOS_ID], [10, EOS_ID, PAD_ID]]
     assert batch.num_tokens == 5
+
+
+sentences = st.lists(st.integers(4, 99), max_size=12)  # real ids: never PAD, BOS or EOS
+
+
+@given(st.lists(st.tuples(sentences, sentences), min_size=1, max_size=16), st.data())
+def test_a_batch_of_any_pairs_of_a_corpus_is_each_pair_shifted_and_padded(pairs, data):
+    """make_batch gathers a whole batch at once from the corpus's flat ids: each row must be the
+    sentence it names, as a per-sentence loop would lay it out, in the order the indices give."""
+    src = [s + [EOS_ID] for s, _ in pairs]
+    tgt = [t for _, t in pairs]
+    corpus = EncodedCorpus(RaggedIds.from_lists(src), RaggedIds.from_lists(tgt))
+    order = data.draw(st.permutations(range(len(pairs))))
+    indices = np.array(order[: data.draw(st.integers(1, len(pairs)))])
+    batch = make_batch(corpus, indices)
+
+    def padded(rows: list[list[int]]) -> list[list[int]]:
+        width = max(len(row) for row in rows)
+        return [row + [PAD_ID] * (width - len(row)) for row in rows]
+
+    assert batch.src.tolist() == padded([src[i] for i in indices])
+    assert batch.tgt_in.tolist() == padded([[BOS_ID, *tgt[i]] for i in indices])
+    assert batch.tgt_out.tolist() == padded([[*tgt[i], EOS_ID] for i in indices])
+    assert batch.targets.tolist() == [token for i in indices for token in [*tgt[i], EOS_ID]]
+    assert batch.num_tokens == sum(len(tgt[i]) + 1 for i in indices)
 
 
 def test_token_batches_respect_the_budget_and_cover_every_sentence():
