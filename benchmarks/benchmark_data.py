@@ -2,9 +2,11 @@
 """Data preparation at scale: a synthetic corpus of 1M pairs, prepared in a fresh process.
 
 Prints tokenizer training time, encoding time and throughput (pairs/s) on a cache miss, the time
-of a cache hit, the peak RSS of each of the two steps, and batches/s of the training loader.
+of a cache hit, the peak RSS of each of the two steps, and the training loader's time per batch at
+each --loader-tokens budget (a GPU's batches are 16k-64k tokens, and the host builds each one while
+the GPU waits).
 
-    python benchmarks/benchmark_data.py [--pairs 1000000]
+    python benchmarks/benchmark_data.py [--pairs 1000000] [--loader-tokens 4000 16000 64000]
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ def write_corpus(directory: Path, pairs: int) -> None:
                 handle.writelines(row[side] + "\n" for row in rows)
 
 
-def prepare_and_measure(config_path: str, queue) -> None:
+def prepare_and_measure(config_path: str, loader_tokens: list[int], queue) -> None:
     """Runs in its own process so that its peak RSS is the preparation's alone."""
     from seq2seq.config_files import load_config
     from seq2seq.data.batching import epoch_batches, make_batch
@@ -55,11 +57,13 @@ def prepare_and_measure(config_path: str, queue) -> None:
     start = time.perf_counter()
     batches = epoch_batches(corpus, max_tokens=config.train.max_tokens, seed=1, epoch=1)
     plan_seconds = time.perf_counter() - start
-    start = time.perf_counter()
-    count = min(2000, len(batches))
-    for indices in batches[:count]:
-        make_batch(corpus, indices)
-    loader_seconds = time.perf_counter() - start
+    loader_ms = {}
+    for tokens in loader_tokens:
+        planned = epoch_batches(corpus, max_tokens=tokens, seed=1, epoch=1)[:2000]
+        start = time.perf_counter()
+        for indices in planned:
+            make_batch(corpus, indices)
+        loader_ms[tokens] = (time.perf_counter() - start) / len(planned) * 1e3
     queue.put(
         {
             "pairs": len(corpus),
@@ -70,7 +74,7 @@ def prepare_and_measure(config_path: str, queue) -> None:
             "encode_rss_mb": encode_rss,
             "batches": len(batches),
             "plan_s": plan_seconds,
-            "batches_per_s": count / loader_seconds,
+            "loader_ms": loader_ms,
         }
     )
 
@@ -79,6 +83,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=1_000_000)
     parser.add_argument("--sample-sentences", type=int, default=200_000, help="tokenizer training sample")
+    parser.add_argument("--loader-tokens", type=int, nargs="+", default=[4000, 16000, 64000],
+                        help="token budgets of the batches the loader times")  # fmt: skip
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -101,7 +107,7 @@ def main() -> int:
         (work / "config.yaml").write_text(yaml.safe_dump(config))
         queue = multiprocessing.get_context("spawn").Queue()
         process = multiprocessing.get_context("spawn").Process(
-            target=prepare_and_measure, args=(str(work / "config.yaml"), queue)
+            target=prepare_and_measure, args=(str(work / "config.yaml"), args.loader_tokens, queue)
         )
         process.start()
         result = queue.get()
@@ -114,8 +120,9 @@ def main() -> int:
         ("peak RSS while training the tokenizer", f"{result['tokenizer_rss_mb']:,.0f} MiB"),
         ("peak RSS while encoding and caching", f"{result['encode_rss_mb']:,.0f} MiB"),
         (f"batch plan for one epoch ({result['batches']:,} batches)", f"{result['plan_s']:.1f} s"),
-        ("loader (make_batch)", f"{result['batches_per_s']:,.0f} batches/s"),
     ]
+    rows += [(f"loader (make_batch), {tokens:,}-token batches", f"{ms:.2f} ms a batch")
+             for tokens, ms in result["loader_ms"].items()]  # fmt: skip
     print("\n| step | figure |\n|---|---|")
     for step, figure in rows:
         print(f"| {step} | {figure} |")
