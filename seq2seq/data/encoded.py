@@ -52,8 +52,12 @@ class RaggedIds:
     def __getitem__(self, index: int) -> np.ndarray:
         return self.ids[self.offsets[index] : self.offsets[index + 1]]
 
-    def lengths(self) -> np.ndarray:
-        return np.diff(self.offsets)
+    def lengths(self, indices: np.ndarray | None = None) -> np.ndarray:
+        """The length of every sentence, or of the sentences `indices` alone: a batch's lengths
+        without a pass over the whole corpus, which took milliseconds a batch at millions of pairs."""
+        if indices is None:
+            return np.diff(self.offsets)
+        return self.offsets[indices + 1] - self.offsets[indices]
 
     def padded(self, indices: np.ndarray, *, first: int | None = None, last: int | None = None) -> np.ndarray:
         """Sentences `indices` as rows of a (len(indices), longest) int64 matrix, right-padded with
@@ -61,7 +65,7 @@ class RaggedIds:
 
         One gather for the whole batch: a Python loop over its sentences took milliseconds of host
         time per batch at GPU batch sizes, time in which the GPU waited for its next step."""
-        lengths = self.lengths()[indices]
+        lengths = self.lengths(indices)
         shift = int(first is not None)
         width = int(lengths.max(initial=0)) + shift + int(last is not None)
         columns = np.arange(width)

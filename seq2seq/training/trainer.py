@@ -210,8 +210,7 @@ class Trainer:
         """One optimizer update on this rank's share of `group` (the batches of every rank): its
         result and this rank's target tokens."""
         tc, progress, dist = self.config.train, self.progress, self.dist
-        target_lengths = corpus.tgt.lengths() + 1
-        update_tokens = int(sum(target_lengths[indices].sum() for indices in group))
+        update_tokens = int(sum(corpus.tgt.lengths(indices).sum() + len(indices) for indices in group))  # + EOS
         started = time.perf_counter()
         mine = [
             make_batch(corpus, indices)

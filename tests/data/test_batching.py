@@ -49,6 +49,7 @@ def test_a_batch_of_any_pairs_of_a_corpus_is_each_pair_shifted_and_padded(pairs,
     assert batch.tgt_out.tolist() == padded([[*tgt[i], EOS_ID] for i in indices])
     assert batch.targets.tolist() == [token for i in indices for token in [*tgt[i], EOS_ID]]
     assert batch.num_tokens == sum(len(tgt[i]) + 1 for i in indices)
+    assert corpus.tgt.lengths(indices).tolist() == [len(tgt[i]) for i in indices]  # a batch's, not the corpus's
 
 
 def test_token_batches_respect_the_budget_and_cover_every_sentence():
