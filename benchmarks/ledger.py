@@ -5,6 +5,10 @@
     seq2seq demo 2>&1 | python benchmarks/ledger.py record demo --command "seq2seq demo"
     python benchmarks/ledger.py render
 
+An AVX-512 or AMX machine stands in for an AVX2-only one when the command runs under AVX2_CAP's
+three variables (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2);
+its results are filed as "CPU capped at AVX2".
+
 `record` stores what a command printed (its stdin) as a result of its own, e.g. the demo's run;
 `run` runs a benchmark of this folder as it is (its arguments after the script's name), shows its
 output as it comes, and writes benchmarks/results/<benchmark>/<date>-<hhmm>-<machine kind>-<commit>.json:
@@ -47,6 +51,11 @@ GLANCE = {
 GLANCE_CELLS = 4  # figures per glance row
 OUTPUT_TAIL_LINES = 6  # what the page quotes of a result without tables
 KINDS = {"amx_bf16": "CPU with AMX", "avx512_bf16": "CPU with AVX-512-bf16", "avx2": "CPU with AVX2 only"}
+# With all three set, PyTorch's own kernels, oneDNN and MKL use nothing past AVX2 on a newer CPU, and its
+# figures stand in for an AVX2-only machine's: under a kind of their own, since the caches, memory and
+# clocks are still the newer machine's.
+AVX2_CAP = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+CAPPED_KIND = "CPU capped at AVX2"
 
 
 def machine() -> dict:
@@ -67,6 +76,8 @@ def machine() -> dict:
             elif key.strip() == "flags":
                 flags = set(value.split())
     isa = [flag for flag in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if flag in flags]
+    if "avx2" in flags and all(os.environ.get(name, "").lower() == value.lower() for name, value in AVX2_CAP.items()):
+        return {**found, "kind": CAPPED_KIND, "cpu": model, "isa": ["avx2"], "capped_from": isa}
     kind = next((label for flag, label in KINDS.items() if flag in flags), "CPU without AVX2")
     return {**found, "kind": kind, "cpu": model, "isa": isa}
 
@@ -82,7 +93,8 @@ def _gpu_driver() -> str:
 def describe_machine() -> str:
     """One line for a benchmark's output: the machine kind and model."""
     found = machine()
-    return found.get("gpu") or f"{found['cpu']} ({' '.join(found['isa']) or 'no AVX2'})"
+    capped = f", capped from {' '.join(found['capped_from'])}" if "capped_from" in found else ""
+    return found.get("gpu") or f"{found['cpu']} ({' '.join(found['isa']) or 'no AVX2'}{capped})"
 
 
 def tables(output: str) -> list[list[dict]]:
@@ -115,7 +127,8 @@ def run(script: str, arguments: list[str]) -> Path:
         output.append(line)
     if process.wait():
         raise SystemExit(f"error: {script} exited with {process.returncode}; nothing recorded")
-    command_line = shlex.join(["python", f"benchmarks/{script}", *arguments])  # as a shell would take it back
+    capped = [f"{name}={value}" for name, value in AVX2_CAP.items()] if machine()["kind"] == CAPPED_KIND else []
+    command_line = shlex.join([*capped, "python", f"benchmarks/{script}", *arguments])  # as a shell would take it back
     return record(Path(script).stem, "".join(output), command=command_line, commit=measured)
 
 

@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import io
 import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 
 from benchmarks import ledger
 
@@ -101,3 +106,22 @@ def test_of_two_results_of_one_day_the_later_is_the_latest(tmp_path, monkeypatch
         path.write_text(json.dumps({**result, "time": time}))
     (latest,) = ledger.latest_by_kind(ledger.results()["benchmark_serve"]).values()
     assert latest["command"] == "later"
+
+
+def cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+        return next((set(line.split(":", 1)[1].split()) for line in cpuinfo if line.startswith("flags")), set())
+
+
+@pytest.mark.skipif(not Path("/proc/cpuinfo").exists(), reason="reads the CPU's flags from /proc/cpuinfo")
+def test_a_cpu_capped_at_avx2_is_filed_as_its_own_kind_and_pytorch_runs_under_the_cap(monkeypatch):
+    if "avx512f" not in cpu_flags():
+        pytest.skip("this CPU has nothing past AVX2 to cap")
+    for name, value in ledger.AVX2_CAP.items():
+        monkeypatch.setenv(name, value)
+    found = ledger.machine()
+    assert found["kind"] == "CPU capped at AVX2" and found["isa"] == ["avx2"] and "avx512f" in found["capped_from"]
+    capability = "import torch; print(torch.backends.cpu.get_cpu_capability())"
+    assert subprocess.run([sys.executable, "-c", capability], capture_output=True, text=True).stdout.strip() == "AVX2"
+    monkeypatch.delenv("MKL_ENABLE_INSTRUCTIONS")  # one library left uncapped: the machine's own kind
+    assert ledger.machine()["kind"] != "CPU capped at AVX2"
