@@ -277,7 +277,7 @@ def _gpu_attention_backends(query_length: int, key_length: int) -> list[SDPBacke
 
 def attention_dtype(projected: Tensor) -> torch.dtype:
     """The dtype attention computes in, given projected queries, keys or values: a bf16 model on a
-    CPU attends in fp32 (_cpu_attention), so split_heads casts its projections once, for q, k and
+    CPU attends in fp32 (_cpu_bf16_attention), so split_heads casts its projections once, for q, k and
     v projected together, rather than attention one by one."""
     if projected.device.type == "cpu" and projected.dtype == torch.bfloat16:
         return torch.float32
@@ -298,10 +298,10 @@ def attention(
     this device and precision run best; mask broadcasts to (B, h, Tq, Tk), True = may attend.
     out_dtype: the model's dtype, where split_heads cast q, k, v to another (default: q's)."""
     out_dtype = out_dtype or q.dtype
-    if q.device.type == "cpu":
-        return _cpu_attention(q, k, v, mask=mask, is_causal=is_causal, dropout_p=dropout_p).to(out_dtype)
-    backends = _gpu_attention_backends(q.size(-2), k.size(-2))
-    with sdpa_kernel(backends, set_priority=True):
+    if q.device.type == "cpu" and torch.bfloat16 in (out_dtype, autocast_dtype(q.device)):
+        return _cpu_bf16_attention(q, k, v, mask=mask, is_causal=is_causal, dropout_p=dropout_p).to(out_dtype)
+    backends = _gpu_attention_backends(q.size(-2), k.size(-2)) if q.device.type == "cuda" else FUSED_ATTENTION_BACKENDS
+    with sdpa_kernel(backends, set_priority=q.device.type == "cuda"):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
 
 
@@ -310,31 +310,29 @@ def autocast_dtype(device: torch.device) -> torch.dtype | None:
     return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
 
 
-# On a CPU, attention over at most this many positions runs faster as the explicit softmax(q k^T) v (two
-# batched matrix products and a softmax) than through PyTorch's fused kernel, which pays a fixed cost per
-# (sentence, head) tile that a translation-length sentence fills only in part (benchmark_attention on a
-# CPU measures both by length; the crossover is in the ledger).
-CPU_EXPLICIT_ATTENTION = 64
-
-
-def _cpu_attention(
+def _cpu_bf16_attention(
     q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, is_causal: bool, dropout_p: float
 ) -> Tensor:
-    """Attention on a CPU, computed and returned in fp32, whatever the model's dtype.
+    """Attention of a bf16 model (or bf16 autocast) on a CPU, computed and returned in fp32.
 
     In fp32 because PyTorch's fused CPU kernel is slower in bf16, and a bf16 batched matmul makes
     oneDNN compile and keep a kernel for every (batch, length, length) shape it meets, which change
-    with every batch (docs/performance.md, memory in long runs). Sentences of up to
-    CPU_EXPLICIT_ATTENTION positions take the explicit path; so does attention dropout, which
-    PyTorch's fused CPU kernel does not have (there, with our cheap dropout mask). Longer ones take
-    the fused kernel, whose memory does not grow with the square of the length.
+    with every batch (docs/performance.md, memory in long runs). Through the fused kernel because
+    the explicit softmax(q k^T) v allocates the (B, h, Tq, Tk) scores, probabilities and their
+    gradients, in sizes that change with every batch too, and glibc's heap kept holes of them: the
+    fused path peaked lower and stepped faster than the explicit one (benchmark_train's memory
+    columns). PyTorch's fused CPU kernels have
+    no attention dropout; with it, the explicit path, which uses our cheap dropout mask.
     """
     with torch.autocast(q.device.type, enabled=False):
-        if dropout_p == 0.0 and max(q.size(-2), k.size(-2)) > CPU_EXPLICIT_ATTENTION:
+        if dropout_p == 0.0:
             with sdpa_kernel(FUSED_ATTENTION_BACKENDS):
-                q, k, v = q.float(), k.float(), v.float()
-                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
-        return dropout(probabilities(q, k, mask, is_causal), dropout_p, training=True) @ v.float()
+                out = F.scaled_dot_product_attention(
+                    q.float(), k.float(), v.float(), attn_mask=mask, is_causal=is_causal
+                )
+        else:
+            out = dropout(probabilities(q, k, mask, is_causal), dropout_p, training=True) @ v.float()
+    return out
 
 
 def probabilities(q: Tensor, k: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor:
