@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.fx.experimental._config
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -53,15 +54,32 @@ def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimi
 
 
 def compile_for_training(module: nn.Module) -> Callable[..., Tensor]:
-    """torch.compile with every size symbolic from the first step.
+    """torch.compile with every size symbolic from the first step, and no two sizes assumed equal.
 
     Token-bucketed batches change (sentences, length) at almost every step. Left to find out which
     sizes vary, torch.compile recompiled for each new combination until its limit of 8 and then ran
     the model eagerly, minutes of compiling for eager speed. With dynamic sizes it compiles a few
     times early on (for source and target lengths that are or are not multiples of 8), and the
     compiled step is faster than eager (benchmark_train's compiled side on an H100, in the ledger).
+    By default it also gives sizes that are equal when it first traces them one symbol ("duck
+    sizing"): a first batch whose sources and targets had the same length compiled a graph for equal
+    lengths alone, and the next batch compiled it again, a minute or two of a GPU's time
+    (`TORCH_LOGS=recompiles`). Each call compiles, where it does, without that assumption.
     """
-    return torch.compile(module, dynamic=True)
+    compiled = torch.compile(module, dynamic=True)
+
+    def forward(*args, **kwargs) -> Tensor:
+        with _sizes_kept_apart():
+            return compiled(*args, **kwargs)
+
+    return forward
+
+
+def _sizes_kept_apart() -> contextlib.AbstractContextManager:
+    """Duck sizing off while torch.compile traces, where this PyTorch has the (private) switch; where it
+    has not, sizes that start equal cost one more compile, nothing else."""
+    shapes = torch.fx.experimental._config
+    return shapes.patch(use_duck_shape=False) if hasattr(shapes, "use_duck_shape") else contextlib.nullcontext()
 
 
 def build_scaler(device: torch.device, precision: str) -> torch.amp.GradScaler:

@@ -16,6 +16,7 @@ from seq2seq.model.execution import ROW_MULTIPLE, Memory, Rows, attention, split
 from seq2seq.model.interop import to_torch_transformer
 from seq2seq.model.layers import memory_keys_values
 from seq2seq.model.transformer import Seq2SeqTransformer, sinusoidal_positions
+from seq2seq.training.train_step import compile_for_training
 
 D_MODEL, HEADS, FFN, LAYERS, VOCAB = 32, 4, 64, 2, 50
 
@@ -283,21 +284,54 @@ def test_rows_list_no_token_positions_off_the_cpu():
     assert Rows.of(torch.ones(2, 3, dtype=torch.bool), 1).tokens is None  # nothing to skip
 
 
-def test_training_compiles_the_model_as_one_graph_on_the_gpu_path(monkeypatch):
-    """Where training is compiled (on a GPU), nothing in the model may break torch.compile's graph:
-    each break is a piece compiled and launched apart, and on Python 3.11 the lock inside
-    functools.cached_property made the compiled decoder fall back to running eagerly. A CPU runs the
-    GPU's path once its two CPU-only choices are off: listing the token positions and the cheap
-    dropout mask. fullgraph=True raises at the first break."""
+@pytest.fixture
+def gpu_code_path(monkeypatch):
+    """The model as a GPU runs it, on this CPU: its two CPU-only choices off (listing the token
+    positions, the cheap dropout mask)."""
     every_position = classmethod(lambda cls, keep, multiple: cls(keep.size(0), keep.size(1), multiple))
     monkeypatch.setattr(Rows, "of", every_position)
     monkeypatch.setattr(dropout_module, "dropout", lambda x, p, *, training: F.dropout(x, p, training=training))
+
+
+@pytest.mark.usefixtures("gpu_code_path")
+def test_training_compiles_the_model_as_one_graph_on_the_gpu_path():
+    """Where training is compiled (on a GPU), nothing in the model may break torch.compile's graph:
+    each break is a piece compiled and launched apart, and on Python 3.11 the lock inside
+    functools.cached_property made the compiled decoder fall back to running eagerly.
+    fullgraph=True raises at the first break."""
     model = make_model("post", dropout=0.1).train()
     compiled = torch.compile(model, fullgraph=True, dynamic=True, backend="eager")
     src, tgt_in, _, _ = _padded_pairs()
     for cut in (0, 1):  # a second batch of other lengths runs through the same graph
         compiled(src[:, cut:], tgt_in[:, : tgt_in.size(1) - cut], output_layer=False).sum().backward()
     assert all(parameter.grad is not None for parameter in model.parameters())
+
+
+@pytest.mark.usefixtures("gpu_code_path")
+def test_compiled_training_traces_once_when_the_first_batch_has_equal_source_and_target_lengths(monkeypatch):
+    """torch.compile gives sizes that are equal at the first trace one symbol: a first batch whose
+    sources and targets were equally long compiled a graph for equal lengths alone, and every GPU run
+    whose first batch was such compiled twice. compile_for_training keeps them apart: one graph serves
+    every later batch."""
+    graphs = []
+
+    def counting_backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    compile_with = torch.compile
+    monkeypatch.setattr(
+        torch, "compile", lambda module, **options: compile_with(module, **options, backend=counting_backend)
+    )
+    model = make_model("post", dropout=0.1).train()
+    forward = compile_for_training(model)
+    for sentences, source_length, target_length in ((4, 9, 9), (3, 11, 7), (5, 6, 13), (2, 12, 12)):
+        src, tgt_in = (
+            torch.randint(4, VOCAB, (sentences, source_length)),
+            torch.randint(4, VOCAB, (sentences, target_length)),
+        )
+        forward(src, tgt_in, output_layer=False).sum().backward()
+    assert len(graphs) == 1
 
 
 def test_beams_sharing_one_memory_row_equal_a_repeated_memory():
