@@ -24,6 +24,7 @@ out, to measure what it costs and saves; "ours bf16 autocast" trains without the
     python benchmarks/benchmark_train.py --steps 600 --sides "ours bf16" "ours bf16 untrimmed"  # the heap release
     python benchmarks/benchmark_train.py --steps 200 --sides "reference fp32" "ours bf16 autocast" "ours bf16"
     python benchmarks/benchmark_train.py --model base --max-tokens 16000 --sides "ours bf16"   # on a GPU
+    python benchmarks/benchmark_train.py --sides "ours bf16" --warmup 30 --steps 200 --compile --gpu-code-path
 """
 
 from __future__ import annotations
@@ -40,9 +41,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from ledger import describe_machine
 from torch import nn
 
+import seq2seq.model.dropout as dropout_module
 from seq2seq.config import Config
 from seq2seq.config_files import load_config
 from seq2seq.data.batching import epoch_batches, make_batch, padding_fraction
@@ -51,6 +54,7 @@ from seq2seq.data.prepare import encode_training_split, stream_split
 from seq2seq.data.special_tokens import PAD_ID
 from seq2seq.data.tokenizer import Tokenizer, load_or_train_tokenizer
 from seq2seq.errors import UserInputError
+from seq2seq.model.execution import Rows
 from seq2seq.model.transformer import build_model, sinusoidal_positions
 from seq2seq.training.host_memory import HEAP_TRIM_EVERY, release_free_heap
 from seq2seq.training.precision import cpu_has_native_bf16
@@ -218,8 +222,17 @@ def side_precision(side: str) -> str:
     return side.split()[1]
 
 
+def run_the_gpu_code_path() -> None:
+    """Our model as a GPU runs it, in this process: every position computed (PAD ones too) and
+    PyTorch's dropout, the two CPU-only choices at which torch.compile breaks its graph on a CPU."""
+    Rows.of = classmethod(lambda cls, keep, multiple: cls(keep.size(0), keep.size(1), multiple))
+    dropout_module.dropout = lambda x, p, *, training: F.dropout(x, p, training=training)
+
+
 def run_side(args, side: str, queue) -> None:
     torch.set_num_threads(args.threads)
+    if args.gpu_code_path:
+        run_the_gpu_code_path()
     config, tokenizer, corpus = prepare(args, side_precision(side))
     cfg, vocab = config.model, tokenizer.tgt_vocab_size
     steps = args.steps  # every side: the same window of the same batches, so the ratios compare like with like
@@ -270,6 +283,11 @@ def main() -> int:
     parser.add_argument("--sides", nargs="+", choices=SIDES, help="default: the reference, ours fp32, and ours bf16 "
                         "where this machine runs bf16 natively (precision.py)")  # fmt: skip
     parser.add_argument("--compile", action="store_true", help="our sides under torch.compile")
+    parser.add_argument(
+        "--gpu-code-path",
+        action="store_true",
+        help="our sides run the model's GPU code path on a CPU (what compiles as one graph)",
+    )
     parser.add_argument("--set", action="append", default=[], help="extra config override (repeatable)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per side")
     parser.add_argument("--warmup", type=int, default=3)
@@ -307,7 +325,10 @@ def main() -> int:
 
 def report(args, rates: dict[str, float], results: dict, preparation_peak: float) -> None:
     device = describe_machine() + ("" if DEVICE.type == "cuda" else f", {args.threads} threads")
-    print(f"config {args.config} + {' '.join(MODELS[args.model])}{' (compiled)' if args.compile else ''}")
+    print(
+        f"config {args.config} + {' '.join(MODELS[args.model])}{' (compiled)' if args.compile else ''}"
+        f"{' (the GPU code path)' if args.gpu_code_path else ''}"
+    )
     print(f"{device}; {args.max_tokens} tokens/batch (the same batches for every side, epoch after epoch)")
     print(f"matmul rate here: fp32 {rates['fp32'] / 1e9:,.0f} GFLOP/s, bf16 {rates['bf16'] / 1e9:,.0f} GFLOP/s")
     print(f"tokenizer training and encoding (before the sides, in the main process): peak RSS "
