@@ -2,7 +2,7 @@
 """Does bf16 cost quality? Train the same config for the same steps in fp32 and in bf16, then score both.
 
     python benchmarks/compare_precision.py configs/demo.yaml --seeds 1 2 3 4 5
-    python benchmarks/compare_precision.py configs/bible_en_es.yaml --steps 1000 --set model.norm=post
+    python benchmarks/compare_precision.py configs/bible_en_es.yaml --steps 1000 --seeds 1 2   # hours on a small CPU
 
 One seed's BLEU moves by about a point between seeds on a short run (and a barely trained model
 can fall into repetition loops on a few long sentences), so the verdict uses the mean over seeds
