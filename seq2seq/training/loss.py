@@ -7,9 +7,13 @@ chunk at a time; each chunk of logits is reduced to its loss while it is in cach
 gradient is wanted, turned at once into its closed-form gradient softmax(z) - (1 - eps) * onehot(y)
 - eps / V and multiplied into the gradients of the rows and of the weight. The loss is the last
 operation of the graph, so nothing it needs comes later: backward only scales the two gradients by
-the incoming one. The chunk work goes through PyTorch's log_softmax kernel, whose vectorised exp is
-faster on CPU than torch.exp or logsumexp over the logits, into reused buffers; the probabilities are
-then the exponentials of the log-probabilities, made in place (one pass, where softmax takes three).
+the incoming one. The chunk work goes through one pass of PyTorch's softmax kernel, whose vectorised
+exp is faster on CPU than torch.exp or logsumexp over the logits, into a reused buffer; the
+log-probabilities are never written: the loss needs only each row's log-sum-exp, the logits of its
+target and the logits' sum, and the log-sum-exp is the row's largest logit less the log of its
+probability. That probability is at least 1/V, so its log is as exact as fp32 allows; a target's
+probability may underflow to zero, which is why it is not the one read. (log_softmax for the loss
+and an exp over its output for the gradient took two passes with an exp each.)
 
 The matrix products run in the precision of the enclosing autocast (bf16, fp16), as the output
 layer's Linear did, and everything after them in fp32.
@@ -75,7 +79,7 @@ def _loss_and_gradients(
         step = _chunk_rows(device, vocab, hidden.size(0))
         logits = torch.empty((step, vocab), dtype=matmul_dtype, device=device)
         exact = logits if matmul_dtype == compute_dtype else torch.empty_like(logits, dtype=compute_dtype)
-        scratch = torch.empty_like(exact)  # log-probabilities, then the gradient
+        scratch = torch.empty_like(exact)  # probabilities, then the gradient
         total = torch.zeros((), dtype=torch.float64, device=device)
         for start in range(0, rows_in_use, step):
             # Every matmul of a chunk, the gradient's too, runs to the padded end of its rows: with
@@ -87,12 +91,15 @@ def _loss_and_gradients(
             z = torch.mm(rows[start:stop], layer.t(), out=logits[:count])  # (count, V)
             z = _to_dtype(z, exact[:count])[:real]
             chunk_target = target[start : start + real, None]
-            log_probs = torch.log_softmax(z, dim=-1, out=scratch[:real])
-            total -= (1.0 - smoothing) * log_probs.gather(1, chunk_target).sum() + (smoothing / vocab) * log_probs.sum()
+            largest = z.amax(dim=-1, keepdim=True)
+            probs = torch.softmax(z, dim=-1, out=scratch[:real])
+            log_sum_exp = largest - probs.amax(dim=-1, keepdim=True).log_()
+            # per row -(1 - eps) log p(target) - (eps / V) sum of log p over the vocabulary, where log p = z - lse
+            total += log_sum_exp.sum()
+            total -= (1.0 - smoothing) * z.gather(1, chunk_target).sum() + (smoothing / vocab) * z.sum()
             if grad_rows is None and grad_weight is None:
                 continue
-            grad = log_probs.exp_()  # softmax(z): d loss / d logits, built in place
-            grad.sub_(smoothing / vocab)
+            grad = probs.sub_(smoothing / vocab)  # d loss / d logits, built in place
             grad.scatter_add_(1, chunk_target, grad.new_full((real, 1), smoothing - 1.0))
             scratch[real:count] = 0.0
             grad = _to_dtype(scratch[:count], logits[:count])  # z is no longer needed: its buffer takes the cast

@@ -60,6 +60,22 @@ def test_without_gradients_the_loss_is_the_same(monkeypatch):
     torch.testing.assert_close(value, _reference(hidden, weight, target, 0.0)[0])
 
 
+def test_logits_far_apart_keep_an_exact_loss_and_gradient(monkeypatch):
+    """Logits hundreds apart in fp32: most probabilities underflow to zero, targets' among them, and
+    the loss (a log-sum-exp less each target's logit) must still be that of float64."""
+    monkeypatch.setattr(loss_module, "CPU_CHUNK_ELEMENTS", 7 * 11)
+    hidden, weight = _inputs(32, 5, 11, dtype=torch.float32)
+    weight = (weight.detach() * 100).requires_grad_()  # logits of ~±1,000
+    target = torch.randint(0, 11, (30,))
+    ours = output_layer_loss(hidden, weight, target, 0.1)
+    grads = torch.autograd.grad(ours, (hidden, weight))
+    expected, *expected_grads = _reference(hidden.double(), weight.double(), target, 0.1)
+    assert ours.isfinite() and expected > 1e3  # most targets are far below the best logit
+    torch.testing.assert_close(ours.double(), expected, rtol=1e-5, atol=0)
+    for grad, expected_grad in zip(grads, expected_grads):
+        torch.testing.assert_close(grad.double(), expected_grad, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize(
     "device",
     ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
