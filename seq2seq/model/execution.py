@@ -8,7 +8,7 @@ kernel multiplies them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -55,17 +55,23 @@ class Rows:
     length: int
     multiple: int = 1
     tokens: Tensor | None = None  # flat indices into batch x length of the rows kept; None: all of them
+    # Where tokens is given: for each of the batch x length positions, the row it reads (any row for
+    # a position not kept), and the positions not kept, the zeros of `unflatten`.
+    sources: Tensor | None = None
+    gaps: Tensor | None = None
 
     @classmethod
     def of(cls, keep: Tensor, multiple: int) -> Rows:
         """The rows of a (batch, length) block whose positions to compute are True in `keep`: only
         those on a CPU (when some are not), every one elsewhere."""
-        tokens = None
-        if keep.device.type == "cpu":
-            tokens = keep.reshape(-1).nonzero().squeeze(1)
-            if tokens.numel() == keep.numel():
-                tokens = None
-        return cls(keep.size(0), keep.size(1), multiple, tokens)
+        if keep.device.type != "cpu":
+            return cls(keep.size(0), keep.size(1), multiple)
+        kept = keep.reshape(-1)
+        tokens = kept.nonzero().squeeze(1)
+        if tokens.numel() == kept.numel():
+            return cls(keep.size(0), keep.size(1), multiple)
+        sources = (kept.cumsum(0) - 1).clamp_(min=0)
+        return cls(keep.size(0), keep.size(1), multiple, tokens, sources, (~kept).nonzero().squeeze(1))
 
     @property
     def used(self) -> int:
@@ -79,7 +85,7 @@ class Rows:
         """(batch, length, ...features) -> (padded, features): the kept positions, then zero rows."""
         flat = x.reshape(self.batch * self.length, -1)
         if self.tokens is not None:
-            return _GatherRows.apply(flat, self.tokens, self.padded)
+            return _GatherRows.apply(flat, self)
         return flat if self.padded == self.used else F.pad(flat, (0, 0, 0, self.padded - self.used))
 
     def per_sentence(self, sentences: int) -> Rows:
@@ -88,62 +94,60 @@ class Rows:
         not per beam. The flat rows, and the flat index of each, stay; only their reading changes."""
         if self.batch == sentences:
             return self
-        return Rows(sentences, self.batch * self.length // sentences, self.multiple, self.tokens)
+        return replace(self, batch=sentences, length=self.batch * self.length // sentences)
 
     def unflatten(self, x: Tensor) -> Tensor:
         """(padded, features) -> (batch, length, features), zeros where a position was not kept."""
         if self.tokens is not None:
-            kept = _ScatterRows.apply(x, self.tokens, self.batch * self.length)
+            kept = _ScatterRows.apply(x, self)
         else:  # slicing all the rows would still cost a backward pass that zeroes and copies them
             kept = x if self.padded == self.used else x[: self.used]
         return kept.view(self.batch, self.length, x.size(-1))
 
 
 # Rows.flatten and Rows.unflatten run several times per layer, forward and backward, so each moves
-# its rows as few times as it can: a gather writes the rows and zeroes only the padding rows, a
-# scatter zeroes its output once and copies the rows in. Composed of PyTorch's ops they moved more:
-# F.pad fills its whole output with zeros before copying the rows in, the backward of a slice zeroes
-# the whole input's shape before copying the slice's gradient in, and index_select and index_copy
-# each add a temporary.
+# its rows as few times as it can, and both ways as a gather: flattening writes the kept rows and
+# zeroes only the padding rows; unflattening reads a row for every position and zeroes the positions
+# not kept (on a CPU, index_select and index_fill_ take less time in a bf16 step than index_copy_ into
+# zeros did: profile_train's ops). Composed of PyTorch's ops they moved more: F.pad fills
+# its whole output with zeros before copying the rows in, the backward of a slice zeroes the whole
+# input's shape before copying the slice's gradient in, and index_select and index_copy each add a
+# temporary.
 class _GatherRows(torch.autograd.Function):
-    """(positions, d) -> (padded, d): the rows at `tokens`, then padded - len(tokens) zero rows."""
+    """(positions, d) -> (padded, d): the rows at rows.tokens, then rows.padded - rows.used zero rows."""
 
     @staticmethod
-    def forward(ctx, flat: Tensor, tokens: Tensor, padded: int) -> Tensor:
-        ctx.save_for_backward(tokens)
-        ctx.positions = flat.size(0)
-        return _rows_then_zeros(flat, tokens, padded)
+    def forward(ctx, flat: Tensor, rows: Rows) -> Tensor:
+        ctx.rows = rows
+        return _rows_then_zeros(flat, rows)
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
-        (tokens,) = ctx.saved_tensors
-        return _scatter(grad[: tokens.numel()], tokens, ctx.positions), None, None
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        return _positions_then_zeros(grad, ctx.rows), None
 
 
 class _ScatterRows(torch.autograd.Function):
-    """(padded, d) -> (positions, d): row i of the first len(tokens) at position tokens[i], zeros elsewhere."""
+    """(padded, d) -> (positions, d): row i of the first rows.used at position rows.tokens[i], zeros elsewhere."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, tokens: Tensor, positions: int) -> Tensor:
-        ctx.save_for_backward(tokens)
-        ctx.padded = x.size(0)
-        return _scatter(x[: tokens.numel()], tokens, positions)
+    def forward(ctx, x: Tensor, rows: Rows) -> Tensor:
+        ctx.rows = rows
+        return _positions_then_zeros(x, rows)
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
-        (tokens,) = ctx.saved_tensors
-        return _rows_then_zeros(grad, tokens, ctx.padded), None, None
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        return _rows_then_zeros(grad, ctx.rows), None
 
 
-def _rows_then_zeros(source: Tensor, tokens: Tensor, rows: int) -> Tensor:
-    out = source.new_empty(rows, source.size(1))
-    torch.index_select(source, 0, tokens, out=out[: tokens.numel()])
-    out[tokens.numel() :].zero_()
+def _rows_then_zeros(source: Tensor, rows: Rows) -> Tensor:
+    out = source.new_empty(rows.padded, source.size(1))
+    torch.index_select(source, 0, rows.tokens, out=out[: rows.used])
+    out[rows.used :].zero_()
     return out
 
 
-def _scatter(rows: Tensor, tokens: Tensor, positions: int) -> Tensor:
-    return rows.new_zeros(positions, rows.size(1)).index_copy_(0, tokens, rows)
+def _positions_then_zeros(source: Tensor, rows: Rows) -> Tensor:
+    return source.index_select(0, rows.sources).index_fill_(0, rows.gaps, 0)
 
 
 def split_heads(fused: Tensor, parts: int, heads: int, dtype: torch.dtype | None = None) -> tuple[Tensor, ...]:
