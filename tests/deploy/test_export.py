@@ -172,7 +172,7 @@ def test_int8_export_reports_what_it_measured_and_refuses_a_real_drop(learned_ch
 
 
 # Capping values of the two libraries that run CTranslate2's int8 products on a CPU (oneDNN, MKL) that
-# leave out the dot-product instructions (VNNI)
+# leave out the dot-product instructions (VNNI).
 UNDER_VNNI = {"ONEDNN_MAX_CPU_ISA": {"SSE41", "AVX", "AVX2"}, "MKL_ENABLE_INSTRUCTIONS": {"SSE4_2", "AVX", "AVX2"}}
 
 
