@@ -20,12 +20,23 @@ from seq2seq.files import write_text_atomic
 log = logging.getLogger(__name__)
 
 
+class _LogFileHandler(logging.FileHandler):
+    """A FileHandler that makes the file (and its folder) at its first line, not when it is set up: a
+    run refused before it logs anything (bad validation data) leaves no run directory behind."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path, encoding="utf-8", delay=True)
+
+    def _open(self):
+        Path(self.baseFilename).parent.mkdir(parents=True, exist_ok=True)
+        return super()._open()
+
+
 @contextlib.contextmanager
 def log_to_file(path: Path) -> Iterator[None]:
     """Copy the toolkit's log lines (INFO and up, whatever stderr shows) into `path`, appended, while
     the block runs."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(path, encoding="utf-8")
+    handler = _LogFileHandler(path)
     handler.setFormatter(logging.Formatter("%(asctime)s | %(levelname)s | %(message)s", "%Y-%m-%d %H:%M:%S"))
     logger = logging.getLogger("seq2seq")
     logger.addHandler(handler)

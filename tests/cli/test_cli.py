@@ -267,6 +267,17 @@ def test_bad_data_exits_2_naming_file_and_line(trained_run, tmp_path):
     assert_user_error(result, "has 2000 lines but", "has 1")
 
 
+def test_a_run_refused_for_its_validation_data_leaves_no_run_directory(trained_run, tmp_path):
+    """The validation split is read before anything is written: the refused run leaves nothing to tidy."""
+    _, config, _, _ = trained_run
+    short = tmp_path / "short.xx"
+    short.write_text("one line\n")
+    run_dir = tmp_path / "runs" / "refused"
+    result = invoke("train", config, "--run-dir", run_dir, "--set", f"data.valid.tgt={short}")
+    assert_user_error(result, "data.valid", "has 1")
+    assert not run_dir.parent.exists()
+
+
 def test_run_directory_and_checkpoint_errors(trained_run, tmp_path):
     _, config, run_dir, data = trained_run
     assert_user_error(invoke("train", config, "--run-dir", run_dir), "pass --resume")
