@@ -33,6 +33,16 @@ def check_writable(path: str | Path, *, what: str = "output file") -> None:
         raise UserInputError(f"{path}: the folder {folder} is not writable; expected a writable folder")
 
 
+def check_new_file(path: str | Path, *, what: str = "output file") -> None:
+    """check_writable, and refuse a path that exists: a command never replaces a file it did not make
+    (`-o` naming the command's own input, a checkpoint, /dev/null, which the atomic rename would
+    replace with a regular file)."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise UserInputError(f"{path}: already exists; expected a new {what} (delete it or choose another path)")
+    check_writable(path, what=what)
+
+
 def temporary_path(path: str | Path) -> Path:
     """Where `path` is built before it is renamed into place: .NAME.tmp-HOST-PID beside it. The host
     and PID tell remove_stale_temporaries whether its writer is still alive: a PID means nothing on

@@ -20,7 +20,7 @@ from tqdm import tqdm
 from seq2seq.data.sources import chunked, decode_lines, read_lines
 from seq2seq.decoding import DecodeConfig
 from seq2seq.errors import UserInputError
-from seq2seq.files import atomic_write, check_writable
+from seq2seq.files import atomic_write, check_new_file
 from seq2seq.inference.admission import Names
 from seq2seq.inference.engine import Translation
 from seq2seq.inference.glossary import Glossary, constraint_fields, merged_constraints
@@ -105,9 +105,9 @@ def translate_file(
         problem = "is a directory" if Path(source).is_dir() else "file not found"
         raise UserInputError(f"{source}: {problem}; expected a text file with one sentence per line (or - for stdin)")
     if output != "-":
-        check_writable(output)
-    if attention_plot is not None and attention_plot.exists() and not attention_plot.is_dir():
-        raise UserInputError(f"--attention-plot {attention_plot}: is a file; expected a folder for the PNG files")
+        check_new_file(output)
+    if attention_plot is not None:
+        _check_attention_folder(attention_plot)
     glossary = guides.check()
     translator = Translator.load(model, device=device, shortlist=shortlist)
     decode = translator.settings(decode_overrides)
@@ -143,6 +143,20 @@ def translate_file(
     )
 
 
+def _check_attention_folder(folder: Path) -> None:
+    """--attention-plot: a folder (made if missing) in which no plot would replace an existing file."""
+    from seq2seq.inference.attention_plot import plot_file  # matplotlib only when plots are asked for
+
+    if folder.exists() and not folder.is_dir():
+        raise UserInputError(f"--attention-plot {folder}: is a file; expected a folder for the PNG files")
+    taken = [plot_file(folder, n) for n in range(1, ATTENTION_PLOT_LINES + 1) if plot_file(folder, n).exists()]
+    if taken:
+        raise UserInputError(
+            f"--attention-plot {folder}: {taken[0].name} already exists; expected a folder without attention "
+            "plots (delete them or choose another folder)"
+        )
+
+
 def score_file(
     model: Path,
     *,
@@ -160,7 +174,7 @@ def score_file(
     if counts[0] != counts[1]:
         raise UserInputError(f"{tgt}: has {counts[1]} lines but {src} has {counts[0]}; expected one target per source")
     if output != "-":
-        check_writable(output)
+        check_new_file(output)
     translator = Translator.load(model, device=device)
     decode = translator.settings(decode_overrides)
     names = Names(line=f"{src} and {tgt}, line {{number}}")

@@ -178,7 +178,9 @@ def average(
     Example: seq2seq average runs/demo/checkpoints/step_*.pt -o runs/demo/checkpoints/avg.pt
     """
     from seq2seq.checkpoint import average_checkpoints
+    from seq2seq.files import check_new_file
 
+    check_new_file(output, what="output checkpoint")  # -o naming one of the checkpoints would replace it
     average_checkpoints(checkpoints, output)
     typer.echo(f"averaged {len(checkpoints)} checkpoints -> {output}")
 
@@ -222,14 +224,12 @@ def shortlist(
     from seq2seq.checkpoint import Checkpoint
     from seq2seq.data.prepare import read_split
     from seq2seq.data.sources import read_lines
-    from seq2seq.files import check_writable
+    from seq2seq.files import check_new_file
     from seq2seq.inference.shortlist import shortlist_from_corpus
 
     if (src is None) != (tgt is None):
         raise UserInputError("--src and --tgt go together (source sentences and their translations)")
-    if output.exists():
-        raise UserInputError(f"{output}: already exists; expected a new file (delete it or choose another -o)")
-    check_writable(output)
+    check_new_file(output)
     loaded = Checkpoint.load(checkpoint)
     if src is None:
         pairs = read_split(loaded.config.data, "train")

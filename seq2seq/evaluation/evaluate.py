@@ -16,7 +16,7 @@ from seq2seq.data.sources import read_lines
 from seq2seq.decoding import DecodeConfig
 from seq2seq.errors import UserInputError
 from seq2seq.evaluation.scoring import ScoreOptions, Scores, read_text_file, score
-from seq2seq.files import check_writable, write_text_atomic
+from seq2seq.files import check_new_file, write_text_atomic
 from seq2seq.inference.admission import Names
 from seq2seq.inference.translator import Translator
 
@@ -64,7 +64,7 @@ def evaluate_files(
     reference files `refs`, write the reports. Every input and output is checked before translating."""
     for path in (hypotheses_path, json_path):
         if path is not None:
-            check_writable(path)
+            check_new_file(path)
     sources = list(read_lines(src))
     if not sources:
         raise UserInputError(f"{src}: no lines to translate; expected a source file with at least one line")
@@ -94,7 +94,7 @@ def score_files(
 ) -> Scores:
     """`seq2seq score`: existing hypotheses against one or more reference files, as `sacrebleu` scores them."""
     if json_path is not None:
-        check_writable(json_path)
+        check_new_file(json_path)
     hypotheses = read_text_file(hyp)
     if not hypotheses:
         raise UserInputError(f"{hyp}: no lines to score; expected a hypothesis file with at least one line")

@@ -52,8 +52,13 @@ def plot_attention(
             ax.set_yticks(range(len(tgt_labels)), tgt_labels if layer == 0 else [""] * len(tgt_labels), fontsize=7)
             ax.set_title(f"layer {layer + 1}", fontsize=8)
         fig.tight_layout()
-        path = out_dir / f"attention_{number}.png"
+        path = plot_file(out_dir, number)
         save_png(fig, path)
         plt.close(fig)
         written.append(path)
     return written
+
+
+def plot_file(out_dir: Path, number: int) -> Path:
+    """The PNG of the input's line `number` (from 1)."""
+    return out_dir / f"attention_{number}.png"

@@ -3,6 +3,7 @@ what was expected, exit code 2, no traceback, found before the expensive work, a
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,6 +77,23 @@ def _tsv_with_two_tabs(world: Paths) -> Path:
     return _config_with(world, "tsv", lambda raw: raw["data"].update(train={"format": "tsv", "path": str(path)}))
 
 
+def _folder_with_plots(world: Paths) -> Path:
+    """A folder holding what an earlier --attention-plot wrote for a second line."""
+    folder = world.root / "plots"
+    folder.mkdir(exist_ok=True)
+    (folder / "attention_2.png").write_bytes(b"an earlier plot")
+    return folder
+
+
+def _named_pipe(world: Paths) -> Path:
+    """A path that is not a regular file, as /dev/null is: the atomic rename would replace it with
+    one (it did replace /dev/null, run as root, before outputs had to be new)."""
+    pipe = world.root / "pipe"
+    if not pipe.exists():
+        os.mkfifo(pipe)
+    return pipe
+
+
 UNSPELLABLE = "\ua66e\ua66e"  # ꙮꙮ: a script the tiny model's target vocabulary never saw
 
 
@@ -140,6 +158,13 @@ CASES = {
     "translate --glossary term the vocabulary cannot spell": Case(
         lambda w: _guided(w, "glossary"), lambda w: [f"{w.root / 'glossary.txt'}:3: 'ꙮꙮ' has characters"],
         not_created=lambda w: [w.root / "glossary.out"]),
+    "translate -o its own input": Case(lambda w: ["translate", "-c", w.checkpoint, "-i", w.file, "-o", w.file],
+                                       lambda w: [str(w.file), "already exists", "expected a new output file"]),
+    "translate -o a named pipe": Case(lambda w: ["translate", "-c", w.checkpoint, "-o", _named_pipe(w)],
+                                      lambda w: [f"{w.root / 'pipe'}: already exists"], input="a cat\n"),
+    "translate --attention-plot over earlier plots": Case(
+        lambda w: ["translate", "-c", w.checkpoint, "--attention-plot", _folder_with_plots(w)],
+        lambda w: [str(w.root / "plots"), "attention_2.png already exists"], input="a cat\n"),
     "translate --attention-plot is a file": Case(
         lambda w: ["translate", "-c", w.checkpoint, "--attention-plot", w.file],
         lambda w: [str(w.file), "is a file", "expected a folder"], input="a cat\n"),
@@ -157,6 +182,21 @@ CASES = {
         lambda w: ["eval", "-c", w.checkpoint, "--src", w.data / "test.en", "--ref", w.data / "test.xx", "--hyps",
                    w.folder],
         lambda w: [str(w.folder), "is a directory"]),
+    "eval --hyps an existing file": Case(
+        lambda w: ["eval", "-c", w.checkpoint, "--src", w.data / "test.en", "--ref", w.data / "test.xx", "--hyps",
+                   w.file],
+        lambda w: [str(w.file), "already exists"]),
+    "eval --json an existing file": Case(
+        lambda w: ["eval", "-c", w.checkpoint, "--src", w.data / "test.en", "--ref", w.data / "test.xx", "--json",
+                   w.file],
+        lambda w: [str(w.file), "already exists"]),
+    "score --json an existing file": Case(
+        lambda w: ["score", "--hyp", w.data / "test.xx", "--ref", w.data / "test.xx", "--json", w.file],
+        lambda w: [str(w.file), "already exists"]),
+    "score-pairs -o an existing file": Case(
+        lambda w: ["score-pairs", "-c", w.checkpoint, "--src", w.data / "test.en", "--tgt", w.data / "test.xx", "-o",
+                   w.file],
+        lambda w: [str(w.file), "already exists"]),
     "eval on empty files": Case(lambda w: ["eval", "-c", w.checkpoint, "--src", w.empty, "--ref", w.empty],
                                 lambda w: [str(w.empty), "no lines to translate"]),
     "score-pairs with counts that differ": Case(
@@ -212,6 +252,9 @@ CASES = {
     # average, plot, export, serve, demo
     "average -o in a missing folder": Case(lambda w: ["average", w.checkpoint, w.checkpoint, "-o", w.nowhere],
                                            lambda w: [str(w.nowhere), "does not exist"]),
+    "average -o one of its checkpoints": Case(lambda w: ["average", w.checkpoint, w.checkpoint, "-o", w.checkpoint],
+                                              lambda w: [str(w.checkpoint), "already exists",
+                                                         "expected a new output checkpoint"]),
     "average a junk checkpoint": Case(lambda w: ["average", w.checkpoint, w.junk, "-o", w.root / "avg.pt"],
                                       lambda w: [str(w.junk), "not a readable seq2seq checkpoint"],
                                       not_created=lambda w: [w.root / "avg.pt"]),
@@ -242,7 +285,7 @@ CASES = {
 @pytest.mark.parametrize("name", CASES)
 def test_bad_input_is_one_clear_line_and_exit_2(world: Paths, name: str):
     case = CASES[name]
-    config_before = (world.run / "config.yaml").read_bytes()
+    kept = {path: path.read_bytes() for path in (world.run / "config.yaml", world.checkpoint, world.file)}
     result = runner.invoke(app, [str(a) for a in case.args(world)], input=case.input)
     assert result.exit_code == 2, (result.exit_code, result.output)
     assert "Traceback" not in result.output
@@ -252,7 +295,8 @@ def test_bad_input_is_one_clear_line_and_exit_2(world: Paths, name: str):
         assert fragment in errors[0], (fragment, errors[0])
     for path in [world.nowhere.parent, *case.not_created(world)]:
         assert not path.exists(), f"{path} was created"
-    assert (world.run / "config.yaml").read_bytes() == config_before  # the trained run is untouched
+    for path, content in kept.items():  # the trained run and the files named as outputs are untouched
+        assert path.read_bytes() == content, f"{path} was changed"
     leftovers = [p for p in world.root.rglob(".*tmp*")] + [p for p in world.run.rglob(".*tmp*")]
     assert not leftovers
 
