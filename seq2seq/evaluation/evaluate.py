@@ -65,6 +65,8 @@ def evaluate_files(
     for path in (hypotheses_path, json_path):
         if path is not None:
             check_new_file(path)
+    if hypotheses_path is not None and json_path is not None and hypotheses_path.resolve() == json_path.resolve():
+        raise UserInputError(f"--hyps and --json: both name {json_path}; expected two files")
     sources = list(read_lines(src))
     if not sources:
         raise UserInputError(f"{src}: no lines to translate; expected a source file with at least one line")

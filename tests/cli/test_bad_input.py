@@ -190,6 +190,11 @@ CASES = {
         lambda w: ["eval", "-c", w.checkpoint, "--src", w.data / "test.en", "--ref", w.data / "test.xx", "--json",
                    w.file],
         lambda w: [str(w.file), "already exists"]),
+    "eval --hyps and --json one file": Case(
+        lambda w: ["eval", "-c", w.checkpoint, "--src", w.data / "test.en", "--ref", w.data / "test.xx", "--hyps",
+                   w.root / "both", "--json", w.root / "both"],
+        lambda w: ["--hyps and --json", str(w.root / "both"), "expected two files"],
+        not_created=lambda w: [w.root / "both"]),
     "score --json an existing file": Case(
         lambda w: ["score", "--hyp", w.data / "test.xx", "--ref", w.data / "test.xx", "--json", w.file],
         lambda w: [str(w.file), "already exists"]),
