@@ -85,6 +85,11 @@ def _folder_with_plots(world: Paths) -> Path:
     return folder
 
 
+def _eval_test(world: Paths, *options) -> list:
+    """eval on the test split, with these options."""
+    return ["eval", "-c", world.checkpoint, "--src", world.data / "test.en", "--ref", world.data / "test.xx", *options]
+
+
 def _named_pipe(world: Paths) -> Path:
     """A path that is not a regular file, as /dev/null is: the atomic rename would replace it with
     one (it did replace /dev/null, run as root, before outputs had to be new)."""
@@ -175,24 +180,19 @@ CASES = {
     "eval --ref missing": Case(lambda w: ["eval", "-c", w.checkpoint, "--src", w.data / "test.en", "--ref", w.missing],
                                lambda w: [str(w.missing), "No such file", "expected an existing path"]),
     "eval --json in a missing folder": Case(
-        lambda w: ["eval", "-c", w.checkpoint, "--src", w.data / "test.en", "--ref", w.data / "test.xx", "--json",
-                   w.nowhere],
+        lambda w: _eval_test(w, "--json", w.nowhere),
         lambda w: [str(w.nowhere), "does not exist"]),
     "eval --hyps is a directory": Case(
-        lambda w: ["eval", "-c", w.checkpoint, "--src", w.data / "test.en", "--ref", w.data / "test.xx", "--hyps",
-                   w.folder],
+        lambda w: _eval_test(w, "--hyps", w.folder),
         lambda w: [str(w.folder), "is a directory"]),
     "eval --hyps an existing file": Case(
-        lambda w: ["eval", "-c", w.checkpoint, "--src", w.data / "test.en", "--ref", w.data / "test.xx", "--hyps",
-                   w.file],
+        lambda w: _eval_test(w, "--hyps", w.file),
         lambda w: [str(w.file), "already exists"]),
     "eval --json an existing file": Case(
-        lambda w: ["eval", "-c", w.checkpoint, "--src", w.data / "test.en", "--ref", w.data / "test.xx", "--json",
-                   w.file],
+        lambda w: _eval_test(w, "--json", w.file),
         lambda w: [str(w.file), "already exists"]),
     "eval --hyps and --json one file": Case(
-        lambda w: ["eval", "-c", w.checkpoint, "--src", w.data / "test.en", "--ref", w.data / "test.xx", "--hyps",
-                   w.root / "both", "--json", w.root / "both"],
+        lambda w: _eval_test(w, "--hyps", w.root / "both", "--json", w.root / "both"),
         lambda w: ["--hyps and --json", str(w.root / "both"), "expected two files"],
         not_created=lambda w: [w.root / "both"]),
     "score --json an existing file": Case(
