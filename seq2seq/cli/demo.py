@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from seq2seq.config_files import load_config
-from seq2seq.data.demo_data import write_demo_corpus
+from seq2seq.data.demo_data import demo_corpus_files, write_demo_corpus
 from seq2seq.data.prepare import read_split
 from seq2seq.errors import UserInputError
 from seq2seq.evaluation.evaluate import translate_and_score
@@ -42,6 +42,21 @@ def _check_run_dir(run_dir: Path) -> bool:
     return True
 
 
+def _check_data_dir(folder: Path, files: dict[str, str]) -> None:
+    """The demo writes its corpus into `folder` (data/demo under the current one): a file there of one
+    of its names is rewritten only when it holds the demo's own text, as an earlier demo wrote it; any
+    other is the user's and is refused before any work."""
+    if folder.exists() and not folder.is_dir():
+        raise UserInputError(f"{folder}: exists and is not a directory; the demo writes its corpus there")
+    for name, text in files.items():
+        path = folder / name
+        if path.exists() and (not path.is_file() or path.read_bytes() != text.encode("utf-8")):
+            raise UserInputError(
+                f"{path}: exists and is not the demo's corpus; the demo writes its data to {folder}/ under the "
+                "current folder: run it from another folder"
+            )
+
+
 def run_demo(
     config_path: Path | None, overrides: list[str], run_dir: Path, *, show_progress: bool, echo: Callable[[str], None]
 ) -> Scores:
@@ -49,7 +64,9 @@ def run_demo(
     replaced), then translate and score the test split."""
     started = time.perf_counter()
     replace = _check_run_dir(run_dir)
-    write_demo_corpus(DEMO_DATA_DIR)
+    corpus = demo_corpus_files()
+    _check_data_dir(DEMO_DATA_DIR, corpus)
+    write_demo_corpus(DEMO_DATA_DIR, corpus)
     echo(f"demo corpus written to {DEMO_DATA_DIR}/ (train/valid/test .en -> .xx)")
     config = load_config(config_path or DEMO_CONFIG, overrides)
     if replace:

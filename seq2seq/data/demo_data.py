@@ -171,11 +171,19 @@ def make_demo_corpus(seed: int = 1, sizes: dict[str, int] = DEMO_SPLITS) -> dict
     return corpus
 
 
-def write_demo_corpus(out_dir: str | Path, *, seed: int = 1, src_lang: str = "en", tgt_lang: str = "xx") -> Path:
-    """Write {split}.{lang} text files into out_dir (idempotent: same seed, same bytes)."""
+def demo_corpus_files(*, seed: int = 1, src_lang: str = "en", tgt_lang: str = "xx") -> dict[str, str]:
+    """The corpus as {split}.{lang} file names and their text (same seed, same bytes)."""
+    return {
+        f"{split}.{lang}": "".join(pair[side] + "\n" for pair in pairs)
+        for split, pairs in make_demo_corpus(seed).items()
+        for lang, side in ((src_lang, 0), (tgt_lang, 1))
+    }
+
+
+def write_demo_corpus(out_dir: str | Path, files: dict[str, str] | None = None) -> Path:
+    """Write the corpus's files (demo_corpus_files(), unless given) into out_dir."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    for split, pairs in make_demo_corpus(seed).items():
-        for lang, side in ((src_lang, 0), (tgt_lang, 1)):
-            write_text_atomic(out / f"{split}.{lang}", "".join(p[side] + "\n" for p in pairs))
+    for name, text in (files or demo_corpus_files()).items():
+        write_text_atomic(out / name, text)
     return out

@@ -15,6 +15,7 @@ import yaml
 from typer.testing import CliRunner
 
 from seq2seq.cli.main import app
+from seq2seq.errors import UserInputError
 
 from ..conftest import tiny_config_dict
 
@@ -367,6 +368,32 @@ def test_demo_leaves_a_run_the_user_trained_on_the_demo_config(tmp_path, monkeyp
     (users_run / "checkpoints" / "step_00002000.pt").write_bytes(b"two thousand steps of the user's training")
     assert_user_error(invoke("demo", "--set", "train.max_steps=1"), "--run-dir runs/demo: not empty and not made")
     assert (users_run / "checkpoints" / "step_00002000.pt").read_bytes().startswith(b"two thousand")
+
+
+def test_demo_leaves_other_text_in_its_data_folder(tmp_path, monkeypatch):
+    """The demo writes its corpus to data/demo/ under the current folder: a user's file of that name
+    is refused before any work, while an earlier demo's corpus is written again."""
+    monkeypatch.chdir(tmp_path)
+    data = tmp_path / "data" / "demo"
+    data.mkdir(parents=True)
+    (data / "train.en").write_text("the user's own sentences\n")
+    result = invoke("demo", "--run-dir", "fresh", "--set", "train.max_steps=1")
+    assert_user_error(result, "data/demo/train.en: exists and is not the demo's corpus")
+    assert (data / "train.en").read_text() == "the user's own sentences\n"
+    assert not (tmp_path / "fresh").exists() and not (data / "train.xx").exists()
+
+
+def test_demo_replaces_only_its_own_corpus(tmp_path):
+    from seq2seq.cli.demo import _check_data_dir
+    from seq2seq.data.demo_data import demo_corpus_files, write_demo_corpus
+
+    files = demo_corpus_files()
+    _check_data_dir(tmp_path / "new", files)
+    write_demo_corpus(tmp_path / "earlier")
+    _check_data_dir(tmp_path / "earlier", files)  # the same bytes
+    (tmp_path / "earlier" / "valid.xx").write_text("edited\n")
+    with pytest.raises(UserInputError, match="valid.xx: exists and is not the demo's corpus"):
+        _check_data_dir(tmp_path / "earlier", files)
 
 
 def test_demo_replaces_only_its_own_runs(tmp_path):
