@@ -9,7 +9,11 @@ RUN_DIR/train.log        the log lines stderr showed, appended by every start an
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
+import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,6 +70,26 @@ class RunDir:
                 "or --run-dir to start a new run"
             )
 
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """The directory (made if missing), held by this process while the block runs: a second
+        training or resume in it meanwhile (another terminal, a second job) would write its checkpoints
+        over this run's, and is refused. The lock is the kernel's (flock on the directory), so a
+        killed process leaves none behind."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        handle = os.open(self.root, os.O_RDONLY)
+        try:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise UserInputError(
+                    f"{self.root}: another seq2seq process is training in this run directory; wait for it to "
+                    "stop, or choose another --run-dir"
+                ) from None
+            yield
+        finally:
+            os.close(handle)  # and with it the lock
+
     def remove_stale_temporaries(self) -> None:
         """Temporary files a killed process left half-written (files.temporary_path names them .NAME.tmp-HOST-PID)."""
         for folder in (self.root, self.checkpoints, self.tokenizer):
@@ -94,16 +118,18 @@ def prepare_run(
     config: Config,
     run_dir: RunDir,
     dist: DistributedContext,
+    held: contextlib.ExitStack,
     *,
     tokenizer: Tokenizer | None = None,
     progress: bool = False,
 ) -> tuple[Tokenizer, TrainingData]:
     """Write config.yaml, train or reuse the tokenizer (a resumed run passes its checkpoint's) and
     encode the data: rank 0 first, then the other ranks reuse its tokenizer and encoding cache. The
-    validation split is read first: a problem in it shows before the long work."""
+    validation split is read first: a problem in it shows before the long work, and before the run
+    directory is made. Rank 0 holds the directory (RunDir.held) until `held` closes."""
     valid_text = read_split(config.data, "valid")
     if dist.is_main:
-        run_dir.root.mkdir(parents=True, exist_ok=True)
+        held.enter_context(run_dir.held())
         run_dir.remove_stale_temporaries()
         write_text_atomic(run_dir.config_file, yaml.safe_dump(config.to_dict(), sort_keys=False))
         tokenizer = tokenizer or _load_or_train_tokenizer(config, run_dir, progress)

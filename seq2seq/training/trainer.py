@@ -91,13 +91,13 @@ class Trainer:
         self.config = config = dataclasses.replace(config, train=tc)
         if resumed is not None:
             check_resumable(resumed.config, config, self.run_dir)
-        self._log_file = contextlib.ExitStack()  # RUN_DIR/train.log, until run() ends
+        self._held = contextlib.ExitStack()  # RUN_DIR/train.log and the run directory's lock, until run() ends
         if self.dist.is_main:
-            self._log_file.enter_context(log_to_file(self.run_dir.log))
+            self._held.enter_context(log_to_file(self.run_dir.log))
         try:
             self._prepare(resumed, resumed_path if resumed else None)
         except BaseException:
-            self._log_file.close()
+            self._held.close()
             raise
 
     def _prepare(self, resumed: Checkpoint | None, resumed_path: Path | None) -> None:
@@ -107,6 +107,7 @@ class Trainer:
             config,
             self.run_dir,
             self.dist,
+            self._held,
             progress=self.show_progress,
             tokenizer=resumed.tokenizer if resumed else None,
         )
@@ -136,7 +137,7 @@ class Trainer:
         return autocast(self.device, self.config.train.precision)
 
     def run(self) -> TrainResult:
-        with self._log_file:
+        with self._held:
             return self._run()
 
     def _run(self) -> TrainResult:

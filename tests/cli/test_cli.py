@@ -279,6 +279,24 @@ def test_a_run_refused_for_its_validation_data_leaves_no_run_directory(trained_r
     assert not run_dir.parent.exists()
 
 
+def test_a_run_directory_in_use_is_refused_to_a_second_training(trained_run, tmp_path):
+    """A second `train` in a run directory whose training is still going (a --resume typed in another
+    terminal) would write its checkpoints over the first's: it is refused before anything is written."""
+    from seq2seq.training.run_dir import RunDir
+
+    _, config, run_dir, _ = trained_run
+    before = {path: path.read_bytes() for path in sorted(run_dir.rglob("*")) if path.is_file()}
+    with RunDir(run_dir).held():  # stands for the training that still runs there
+        result = invoke("train", config, "--resume", run_dir, "--set", "train.max_steps=40")
+        assert_user_error(result, f"{run_dir}: another seq2seq process is training in this run directory")
+        fresh = tmp_path / "fresh"
+        with RunDir(fresh).held():
+            assert_user_error(invoke("train", config, "--run-dir", fresh), "another seq2seq process is training")
+    after = {path: path.read_bytes() for path in sorted(run_dir.rglob("*")) if path.is_file()}
+    assert after == before
+    assert [path.name for path in fresh.iterdir()] == []
+
+
 def test_run_directory_and_checkpoint_errors(trained_run, tmp_path):
     _, config, run_dir, data = trained_run
     assert_user_error(invoke("train", config, "--run-dir", run_dir), "pass --resume")
