@@ -145,7 +145,8 @@ def train_run_tokenizer(config: Config, run_dir: RunDir) -> Tokenizer:
     """`seq2seq tokenizer train`: a new tokenizer for the run; an existing one is never replaced."""
     if saved_tokenizer_exists(run_dir.tokenizer):
         raise UserInputError(f"{run_dir.tokenizer}: a tokenizer already exists; delete it to train a new one")
-    return _load_or_train_tokenizer(config, run_dir, progress=True)
+    with run_dir.held():  # a training there would be reading it
+        return _load_or_train_tokenizer(config, run_dir, progress=True)
 
 
 def _load_or_train_tokenizer(config: Config, run_dir: RunDir, progress: bool) -> Tokenizer:

@@ -292,6 +292,7 @@ def test_a_run_directory_in_use_is_refused_to_a_second_training(trained_run, tmp
         fresh = tmp_path / "fresh"
         with RunDir(fresh).held():
             assert_user_error(invoke("train", config, "--run-dir", fresh), "another seq2seq process is training")
+            assert_user_error(invoke("tokenizer", "train", config, "--run-dir", fresh), "another seq2seq process")
     after = {path: path.read_bytes() for path in sorted(run_dir.rglob("*")) if path.is_file()}
     assert after == before
     assert [path.name for path in fresh.iterdir()] == []
