@@ -45,7 +45,14 @@ def distill(config: Config, run_dir: Path, *, progress: bool = True, echo: Calla
     if config.distill is None:
         raise UserInputError("distill: the config has no distill section; expected one naming the teacher")
     teachers = teacher_paths(config)  # a missing teacher is named before any work
-    run_dir.mkdir(parents=True, exist_ok=True)
+    with RunDir(run_dir).held():  # a second distill there would write every stage over this one's
+        return _stages(config, run_dir, teachers, progress=progress, echo=echo)
+
+
+def _stages(
+    config: Config, run_dir: Path, teachers: list[Path], *, progress: bool, echo: Callable[[str], None]
+) -> Distilled:
+    """Each stage that has not yet run, in order."""
     corpus = distilled_corpus(config, run_dir, progress=progress)
     echo(f"1/5 teacher: {corpus.pairs} training pairs -> {corpus.tgt}")
     student = _train_student(config, corpus, run_dir / "student", progress=progress)

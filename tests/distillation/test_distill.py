@@ -157,6 +157,19 @@ def test_a_bad_distill_section_is_one_line_before_any_work(student_config, tmp_p
     assert not run_dir.exists()
 
 
+def test_a_distill_run_directory_in_use_is_refused_to_a_second_distill(student_config, tmp_path):
+    """Two distills in one folder would translate, train and export over each other: the second is
+    refused before any stage runs."""
+    from seq2seq.training.run_dir import RunDir
+
+    run_dir = tmp_path / "run"
+    with RunDir(run_dir).held():  # stands for the distill that still runs there
+        result = runner.invoke(app, ["distill", str(student_config), "--run-dir", str(run_dir)])
+    assert result.exit_code == 2, result.output
+    assert f"{run_dir}: another seq2seq process" in result.output
+    assert list(run_dir.iterdir()) == []
+
+
 def test_an_exported_teacher_writes_the_targets_its_checkpoint_writes(uninterrupted, student_config, tmp_path):
     """CTranslate2 translates the corpus faster; the float32 export runs the checkpoint's search."""
     config = load_config(student_config)
