@@ -83,8 +83,8 @@ class RunDir:
                 fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 raise UserInputError(
-                    f"{self.root}: another seq2seq process is training in this run directory; wait for it to "
-                    "stop, or choose another --run-dir"
+                    f"{self.root}: another seq2seq process is working in this run directory (train, tokenizer "
+                    "train or distill); wait for it to stop, or choose another --run-dir"
                 ) from None
             yield
         finally:

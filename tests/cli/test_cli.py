@@ -288,10 +288,10 @@ def test_a_run_directory_in_use_is_refused_to_a_second_training(trained_run, tmp
     before = {path: path.read_bytes() for path in sorted(run_dir.rglob("*")) if path.is_file()}
     with RunDir(run_dir).held():  # stands for the training that still runs there
         result = invoke("train", config, "--resume", run_dir, "--set", "train.max_steps=40")
-        assert_user_error(result, f"{run_dir}: another seq2seq process is training in this run directory")
+        assert_user_error(result, f"{run_dir}: another seq2seq process is working in this run directory")
         fresh = tmp_path / "fresh"
         with RunDir(fresh).held():
-            assert_user_error(invoke("train", config, "--run-dir", fresh), "another seq2seq process is training")
+            assert_user_error(invoke("train", config, "--run-dir", fresh), "another seq2seq process is working")
             assert_user_error(invoke("tokenizer", "train", config, "--run-dir", fresh), "another seq2seq process")
     after = {path: path.read_bytes() for path in sorted(run_dir.rglob("*")) if path.is_file()}
     assert after == before
