@@ -132,5 +132,5 @@ def _build_checked(raw: dict[str, Any], *, origin: str, overridden: set[str]) ->
 def _raise_problems(errors: list[tuple[str, str]], *, origin: str, overridden: set[str]) -> None:
     """One line per problem, naming the --set flag that caused it or else the file."""
     if errors:
-        lines = [f"{'--set ' + key if key in overridden else origin}: {key}: {msg}" for key, msg in errors]
+        lines = [f"--set {key}: {msg}" if key in overridden else f"{origin}: {key}: {msg}" for key, msg in errors]
         raise UserInputError("\n".join(lines))

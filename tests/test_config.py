@@ -121,8 +121,8 @@ def test_overrides_apply_with_the_same_validation(tmp_path, tiny_data):
     assert config.train.lr == 0.001
     assert config.model.norm == "post"
     assert config.train.betas == (0.8, 0.9)
-    assert error_of(path, ["train.lr=abc"]) == "--set train.lr: train.lr: expected a finite number, got 'abc'"
-    assert error_of(path, ["train.lrr=1"]) == "--set train.lrr: train.lrr: unknown key; did you mean 'train.lr'?"
+    assert error_of(path, ["train.lr=abc"]) == "--set train.lr: expected a finite number, got 'abc'"
+    assert error_of(path, ["train.lrr=1"]) == "--set train.lrr: unknown key; did you mean 'train.lr'?"
     assert "expected KEY=VALUE" in error_of(path, ["train.lr"])
 
 
@@ -138,9 +138,9 @@ def test_decode_overrides_build_the_decode_section_alone():
     assert changed == DecodeConfig(beam=6, nbest=2, length_penalty=1.0)
     with pytest.raises(UserInputError, match=r"--set train.lr=1: only decode.\* keys"):
         decode_config_with(stored, ["train.lr=1"])
-    with pytest.raises(UserInputError, match="--set decode.nbest: decode.nbest: expected at most beam"):
+    with pytest.raises(UserInputError, match="--set decode.nbest: expected at most beam"):
         decode_config_with(stored, ["decode.nbest=9"])
-    with pytest.raises(UserInputError, match="--set decode.bem: decode.bem: unknown key; did you mean 'decode.beam'"):
+    with pytest.raises(UserInputError, match="--set decode.bem: unknown key; did you mean 'decode.beam'"):
         decode_config_with(stored, ["decode.bem=3"])
 
 
