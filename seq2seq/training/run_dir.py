@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -28,8 +27,6 @@ from seq2seq.errors import UserInputError
 from seq2seq.files import remove_stale_temporaries, write_text_atomic
 from seq2seq.progress import with_progress
 from seq2seq.training.distributed import DistributedContext
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -99,8 +96,9 @@ class RunDir:
         return numbered_checkpoints(self.checkpoints)[-1]
 
 
-def check_resumable(stored: Config, given: Config, run_dir: RunDir) -> None:
-    """A resumed run keeps what it trains (RUN_DEFINING_KEYS); other keys may change, and are listed."""
+def check_resumable(stored: Config, given: Config, run_dir: RunDir) -> list[str]:
+    """A resumed run keeps what it trains (RUN_DEFINING_KEYS); other keys may change: one line for each
+    that did, for the trainer to log once it holds the run directory (its train.log is then its own)."""
     differences = config_differences(stored, given)
     fixed = [key for key in differences if is_run_defining(key)]
     if fixed:
@@ -110,8 +108,7 @@ def check_resumable(stored: Config, given: Config, run_dir: RunDir) -> None:
             for key in fixed
         ]
         raise UserInputError("\n".join(lines))
-    for key, (before, after) in differences.items():
-        log.info("resume: %s changed from %r to %r", key, before, after)
+    return [f"resume: {key} changed from {before!r} to {after!r}" for key, (before, after) in differences.items()]
 
 
 def prepare_run(

@@ -89,8 +89,7 @@ class Trainer:
         self.precision_reason = choice.reason
         tc = dataclasses.replace(tc, precision=self.dist.broadcast(choice.precision))
         self.config = config = dataclasses.replace(config, train=tc)
-        if resumed is not None:
-            check_resumable(resumed.config, config, self.run_dir)
+        self._resume_changes = check_resumable(resumed.config, config, self.run_dir) if resumed else []
         self._held = contextlib.ExitStack()  # RUN_DIR/train.log and the run directory's lock, until run() ends
         if self.dist.is_main:
             self._held.enter_context(log_to_file(self.run_dir.log))
@@ -406,6 +405,8 @@ class Trainer:
         if self.dist.is_main:
             self.metrics.truncate_after(self.progress.step)
         log.info("resumed from %s at step %d", path, self.progress.step)
+        for change in self._resume_changes:
+            log.info(change)
 
 
 def _parameter_count(model: torch.nn.Module) -> int:

@@ -4,6 +4,7 @@ stop rules, skipped updates, no host reads per step, mixed precision behaves."""
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -117,6 +118,15 @@ def test_existing_run_directory_is_not_overwritten(tmp_path, tiny_data):
     make_trainer(tmp_path, tiny_data, max_steps=2, valid_every=100).run()
     with pytest.raises(UserInputError, match="already has checkpoints; pass --resume"):
         make_trainer(tmp_path, tiny_data, max_steps=2)
+
+
+def test_a_resumed_run_records_what_changed_in_its_train_log(tmp_path, tiny_data, caplog):
+    """The log of a run says which settings a resume changed, not only the terminal that typed it."""
+    caplog.set_level(logging.INFO, logger="seq2seq")  # as the CLI sets it (cli.boundary.setup_logging)
+    make_trainer(tmp_path, tiny_data, max_steps=2, save_every=2, valid_every=100).run()
+    raw = tiny_config_dict(tiny_data, max_steps=4, save_every=2, valid_every=100)
+    Trainer(config_from_dict(raw, origin="test"), tmp_path / "run", resume=True, show_progress=False).run()
+    assert "resume: train.max_steps changed from 2 to 4" in (tmp_path / "run" / "train.log").read_text()
 
 
 def test_non_finite_steps_are_skipped_and_too_many_stop_with_a_message(tmp_path, tiny_data, monkeypatch):
