@@ -207,6 +207,19 @@ def _link_latest(path: Path, latest: Path) -> None:
     os.replace(tmp, latest)
 
 
+def _check_each_once(paths: list[Path], checkpoints: list[Checkpoint]) -> None:
+    """Refuses a set of weights given twice: last.pt and best.pt repeat a numbered checkpoint, so
+    `average checkpoints/*.pt` would weigh those steps double and say nothing."""
+    for index, (path, checkpoint) in enumerate(zip(paths, checkpoints)):
+        for earlier_path, earlier in zip(paths[:index], checkpoints[:index]):
+            same_step = checkpoint.progress.step == earlier.progress.step
+            if same_step and all(torch.equal(tensor, earlier.model[name]) for name, tensor in checkpoint.model.items()):
+                raise UserInputError(
+                    f"{path}: the same weights as {earlier_path} (step {checkpoint.progress.step}); expected each "
+                    "checkpoint once (last.pt and best.pt repeat a numbered one)"
+                )
+
+
 def average_checkpoints(paths: list[Path], output: Path) -> None:
     """Mean of the model parameters of checkpoints of one run; the rest is taken from the last one."""
     check_writable(output, what="output checkpoint")
@@ -223,6 +236,7 @@ def average_checkpoints(paths: list[Path], output: Path) -> None:
             raise UserInputError(f"{path}: its tokenizer differs from {paths[0]}'s; average checkpoints of one run")
         if set(checkpoint.model) != set(first.model):
             raise UserInputError(f"{path}: its parameters differ from {paths[0]}'s; average checkpoints of one run")
+    _check_each_once(paths, checkpoints)
     names = set(first.model)
     averaged = {
         name: torch.stack([c.model[name].float() for c in checkpoints]).mean(0).to(checkpoints[0].model[name].dtype)

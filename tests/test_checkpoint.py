@@ -93,3 +93,13 @@ def test_average_of_checkpoints_is_the_parameter_mean(tmp_path, two_checkpoints)
     assert averaged.averaged_from == [str(first), str(second)]
     assert dataclasses.replace(averaged.progress) == Checkpoint.load(second).progress
     load_for_inference(tmp_path / "avg.pt")  # still a complete checkpoint
+
+
+def test_averaging_refuses_the_same_weights_twice(tmp_path, two_checkpoints):
+    """`average checkpoints/*.pt` names last.pt beside the numbered checkpoint it repeats: that step would
+    count double in the mean."""
+    last = two_checkpoints[0].parent / "last.pt"
+    output = tmp_path / "avg.pt"
+    with pytest.raises(UserInputError, match=rf"{two_checkpoints[1]}: the same weights as {last} \(step 4\)"):
+        average_checkpoints([last, *two_checkpoints], output)
+    assert not output.exists()
