@@ -285,12 +285,23 @@ async def _read_body(request: Request, limit: int) -> bytes:
 
 
 def _json(raw: bytes) -> object:
+    """The body parsed, or a 400. JSON's escapes can spell a lone surrogate (\\ud800), a string that
+    UTF-8 cannot carry: SentencePiece, and an answer that names it, would fail on it; writing the
+    body out again in UTF-8 finds one in any value or key."""
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
     except RecursionError:
         raise RequestError(400, "malformed JSON: nested too deeply") from None
+    except UnicodeEncodeError:
+        raise RequestError(
+            400,
+            "malformed JSON: a string holds a lone surrogate (such as \\ud800); expected Unicode text, "
+            "surrogates only in pairs",
+        ) from None
     except (ValueError, UnicodeDecodeError) as error:
         raise RequestError(400, f"malformed JSON: {error}") from None
+    return body
 
 
 def _error(status: int, message: str, *, retry: bool = False) -> JSONResponse:

@@ -196,6 +196,9 @@ def test_a_lines_samples_are_the_same_alone_or_batched_with_another_clients(trai
     [
         (b'{"lines": ["a"', 400, "malformed JSON"),
         (b"\xff\xfe", 400, "malformed JSON"),
+        # JSON escapes lone surrogates (\ud800) into strings that UTF-8 cannot carry, in a value or a key
+        (b'{"lines": ["the \\ud800 cat"]}', 400, "malformed JSON: a string holds a lone surrogate"),
+        (b'{"lines": ["a"], "\\udc80": 1}', 400, "malformed JSON: a string holds a lone surrogate"),
         (json.dumps({"lines": ["a"] * 9}).encode(), 413, "9 lines; at most 8 per request"),
         (json.dumps({"lines": ["a" * 301]}).encode(), 413, "lines[0]: 301 characters; at most 300"),
         (json.dumps({"lines": "a"}).encode(), 422, "lines: expected a list of strings"),
