@@ -193,18 +193,18 @@ class Translator:
         translation, continuing a post-editor's words). constraints: per line, target phrases its
         output must contain; glossary: a Glossary whose terms apply to the lines that contain their
         source term (both checkpoint only)."""
-        lines = list(lines)
+        lines = _text_list(lines, "lines")
         return self.translate_with(
             lines,
             self.settings(**options),
-            prefixes=prefixes,
-            constraints=merged_constraints(lines, constraints, glossary),
+            prefixes=None if prefixes is None else _text_list(prefixes, "prefixes"),
+            constraints=merged_constraints(lines, _nested_text_lists(constraints), glossary),
         )
 
     def score(self, sources: list[str], targets: list[str], **options: Any) -> list[PairScore]:
         """How likely the model finds each given target for its source (force-decoding): per-piece
         log-probabilities and their length-normalised sum, e.g. to filter noisy pairs or rerank."""
-        return self.score_with(list(sources), list(targets), self.settings(**options))
+        return self.score_with(_text_list(sources, "sources"), _text_list(targets, "targets"), self.settings(**options))
 
     def score_with(
         self, sources: list[str], targets: list[str], decode: DecodeConfig, *, deadline: float | None = None
@@ -250,6 +250,25 @@ class Translator:
             line_numbers=line_numbers,
             deadline=deadline,
         )
+
+
+def _text_list(texts: Iterable[str], name: str) -> list[str]:
+    """`texts` as a list, or a TypeError: a str passed for a list would be translated character by
+    character, and a bytes or None line would fail deep in SentencePiece without a name."""
+    if isinstance(texts, str):
+        raise TypeError(f"{name}: got one str; expected a list of strings, one sentence each: [{texts[:30]!r}]")
+    texts = list(texts)
+    for index, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise TypeError(f"{name}[{index}]: expected a str, got {type(text).__name__}")
+    return texts
+
+
+def _nested_text_lists(constraints: Iterable[Iterable[str]] | None) -> list[list[str]] | None:
+    """Each line's constraints as a list of phrases (a str there would be a phrase per character)."""
+    if constraints is None:
+        return None
+    return [_text_list(terms, f"constraints[{index}]") for index, terms in enumerate(constraints)]
 
 
 def _torch_device(device: str | None) -> str:

@@ -101,3 +101,21 @@ def test_a_run_directory_means_its_best_checkpoint_else_its_last(trained_checkpo
     (tmp_path / "checkpoints" / "last.pt").write_bytes(b"not a checkpoint")  # best.pt, when there is one, wins
     (tmp_path / "checkpoints" / "best.pt").write_bytes(saved)
     assert Translator.load(tmp_path, device="cpu").translate(lines, beam=2) == expected
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda t: t.translate("the cat sleeps"), "lines: got one str; expected a list of strings"),
+        (lambda t: t.translate_nbest(["the cat", b"a dog"]), r"lines\[1\]: expected a str, got bytes"),
+        (lambda t: t.translate(["the cat"], prefixes="la"), "prefixes: got one str"),
+        (lambda t: t.translate(["the cat"], constraints=["la"]), r"constraints\[0\]: got one str"),
+        (lambda t: t.score("the cat", "la nugati"), "sources: got one str"),
+        (lambda t: t.score(["the cat"], [None]), r"targets\[0\]: expected a str, got NoneType"),
+    ],
+)
+def test_a_str_where_a_list_of_lines_belongs_is_refused(translator, call, message):
+    """A str is iterable: taken for a list, it was translated character by character, a result
+    that looks like an answer (and a constraint "la" became the constraints "l" and "a")."""
+    with pytest.raises(TypeError, match=message):
+        call(translator)
