@@ -253,14 +253,19 @@ class Translator:
 
 
 def _text_list(texts: Iterable[str], name: str) -> list[str]:
-    """`texts` as a list, or a TypeError: a str passed for a list would be translated character by
-    character, and a bytes or None line would fail deep in SentencePiece without a name."""
+    """`texts` as a list, or a TypeError (ValueError) naming the culprit: a str passed for a list would
+    be translated character by character, and a bytes or None line, or one with a lone surrogate
+    (what `errors="surrogateescape"` reading leaves), would fail deep in SentencePiece."""
     if isinstance(texts, str):
         raise TypeError(f"{name}: got one str; expected a list of strings, one sentence each: [{texts[:30]!r}]")
     texts = list(texts)
     for index, text in enumerate(texts):
         if not isinstance(text, str):
             raise TypeError(f"{name}[{index}]: expected a str, got {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"{name}[{index}]: holds a lone surrogate; expected text UTF-8 can encode") from None
     return texts
 
 

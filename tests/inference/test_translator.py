@@ -112,10 +112,11 @@ def test_a_run_directory_means_its_best_checkpoint_else_its_last(trained_checkpo
         (lambda t: t.translate(["the cat"], constraints=["la"]), r"constraints\[0\]: got one str"),
         (lambda t: t.score("the cat", "la nugati"), "sources: got one str"),
         (lambda t: t.score(["the cat"], [None]), r"targets\[0\]: expected a str, got NoneType"),
+        (lambda t: t.translate(["the \udcff cat"]), r"lines\[0\]: holds a lone surrogate"),
     ],
 )
 def test_a_str_where_a_list_of_lines_belongs_is_refused(translator, call, message):
     """A str is iterable: taken for a list, it was translated character by character, a result
     that looks like an answer (and a constraint "la" became the constraints "l" and "a")."""
-    with pytest.raises(TypeError, match=message):
+    with pytest.raises((TypeError, ValueError), match=message):
         call(translator)
