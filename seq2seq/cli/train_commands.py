@@ -63,7 +63,7 @@ def train(
       seq2seq train configs/wmt14_en_de_base.yaml --nproc 8      (= torchrun --nproc_per_node 8 -m seq2seq train ...)
     """
     from seq2seq.config_files import load_config
-    from seq2seq.training.distributed import shutdown_distributed
+    from seq2seq.training.distributed import leave_worker, shutdown_distributed
     from seq2seq.training.trainer import Trainer
 
     cfg = load_config(config, overrides or [])  # validated once here, before any process is launched
@@ -78,6 +78,8 @@ def train(
         typer.echo(
             f"stopped after {result.progress.step} steps ({result.stop_reason}); checkpoint: {result.last_checkpoint}"
         )
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        leave_worker()
 
 
 def _launch_torchrun(nproc: int, config: Path, overrides: list[str], run_dir: Path, resume: bool, quiet: bool) -> int:

@@ -7,9 +7,11 @@ so the trainer has one code path.
 from __future__ import annotations
 
 import gc
+import logging
 import os
+import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -119,3 +121,17 @@ def shutdown_distributed() -> None:
         # sometimes aborted a rank ("terminate called without an active exception"). Collect them first.
         gc.collect()
         dist.destroy_process_group()
+
+
+def leave_worker() -> NoReturn:
+    """End a torchrun worker whose training finished, without the interpreter's teardown.
+
+    Gloo's C++ threads can outlive the destroyed process group, and when the interpreter tears down
+    the objects they still reference, a rank now and then aborts ("terminate called without an
+    active exception", SIGABRT) after its work is saved: torchrun then reports the whole run failed.
+    PyTorch's own attempt to fix this at exit was abandoned (pytorch/pytorch#179291). The worker's
+    output is flushed and the process ends here, exit code 0, before that teardown."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -32,6 +32,9 @@ def train(config: Path, run_dir: Path, *extra: str) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
+    # the workers end without the interpreter's teardown (distributed.leave_worker): rank 0's buffered
+    # result line still arrives, once
+    assert result.stdout.count("steps (max_steps") == 1, result.stdout
 
 
 def final_parameters(run_dir: Path) -> dict[str, torch.Tensor]:
