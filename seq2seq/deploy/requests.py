@@ -19,6 +19,7 @@ from seq2seq.inference.admission import LinePlan, Names
 from seq2seq.inference.translator import Translator
 
 SERVED = {option.name: option for option in declarations() if option.served}  # the decode options a request may set
+_NAMED = 5  # unknown fields an error names
 
 
 def _served_maxima() -> dict[str, float]:
@@ -176,9 +177,10 @@ def _texts(
     if count is None:
         known = {key, *extra, *SERVED}
         unknown = sorted(set(body) - known)
-        if unknown:
-            named = ", ".join(name if len(name) <= 40 else name[:37] + "..." for name in unknown)
-            raise RequestError(422, f"unknown field(s) {named}; expected {', '.join(sorted(known))}")
+        if unknown:  # named cut short, and at most _NAMED of them: the answer never echoes a large body
+            named = ", ".join(name if len(name) <= 40 else name[:37] + "..." for name in unknown[:_NAMED])
+            more = f" and {len(unknown) - _NAMED:,} more" if len(unknown) > _NAMED else ""
+            raise RequestError(422, f"unknown field(s) {named}{more}; expected {', '.join(sorted(known))}")
     texts = body.get(key)
     if not isinstance(texts, list) or not all(isinstance(text, str) for text in texts):
         raise RequestError(422, f"{key}: expected a list of strings")

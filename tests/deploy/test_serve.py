@@ -204,6 +204,11 @@ def test_a_lines_samples_are_the_same_alone_or_batched_with_another_clients(trai
         (json.dumps({"lines": "a"}).encode(), 422, "lines: expected a list of strings"),
         (json.dumps(["a"]).encode(), 422, "expected a JSON object"),
         (json.dumps({"lines": ["a"], "beem": 2}).encode(), 422, "unknown field(s) beem"),
+        (
+            json.dumps({"lines": ["a"], **{f"k{i}": 1 for i in range(10_000)}}).encode(),
+            422,
+            "k100, k1000 and 9,995 more;",
+        ),
         (json.dumps({"lines": ["a"], "beam": "wide"}).encode(), 422, "beam: expected an integer"),
         (json.dumps({"lines": ["a"], "beam": 1000}).encode(), 422, "beam: at most 16"),
         # a number is a JSON number: strings that YAML would have parsed (1000, 0x10) are refused
