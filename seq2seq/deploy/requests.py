@@ -220,7 +220,7 @@ def _decode(body: dict, translator: Translator, limits: Limits) -> DecodeConfig:
             raise RequestError(422, f"{key}: expected {expected}, got {shortened(value)}")
         most = limits.maximum(key)
         if most is not None and value > most:
-            raise RequestError(422, f"{key}: at most {most} on this server, got {value}")
+            raise RequestError(422, f"{key}: at most {most} on this server, got {shortened(value)}")
     try:
         return translator.settings(**options)
     except UserInputError as error:  # lines like "options: decode.nbest: expected ...": keep the key once
