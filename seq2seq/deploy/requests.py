@@ -221,6 +221,8 @@ def _decode(body: dict, translator: Translator, limits: Limits) -> DecodeConfig:
         most = limits.maximum(key)
         if most is not None and value > most:
             raise RequestError(422, f"{key}: at most {most} on this server, got {shortened(value)}")
+        if kind is int and not -(2**63) <= value < 2**63:  # the config's checks would name it digit by digit
+            raise RequestError(422, f"{key}: expected a 64-bit integer, got {shortened(value)}")
     try:
         return translator.settings(**options)
     except UserInputError as error:  # lines like "options: decode.nbest: expected ...": keep the key once

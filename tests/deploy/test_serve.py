@@ -212,6 +212,7 @@ def test_a_lines_samples_are_the_same_alone_or_batched_with_another_clients(trai
         (json.dumps({"lines": ["a"], "beam": "wide"}).encode(), 422, "beam: expected an integer"),
         (json.dumps({"lines": ["a"], "beam": 1000}).encode(), 422, "beam: at most 16"),
         (b'{"lines": ["a"], "beam": 1' + b"0" * 4000 + b"}", 422, "on this server, got 1" + "0" * 36 + "..."),
+        (b'{"lines": ["a"], "seed": -1' + b"0" * 4000 + b"}", 422, "a 64-bit integer, got -1" + "0" * 35 + "..."),
         # a number is a JSON number: strings that YAML would have parsed (1000, 0x10) are refused
         (json.dumps({"lines": ["a"], "beam": "1000"}).encode(), 422, 'beam: expected an integer, got "1000"'),
         (json.dumps({"lines": ["a"], "beam": "0x10"}).encode(), 422, 'beam: expected an integer, got "0x10"'),
