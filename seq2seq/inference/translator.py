@@ -59,6 +59,10 @@ class Translator:
         `shortlist`: a file from `seq2seq shortlist` that a checkpoint's outputs are held to
         (shortlist.py); an export carries its own (`seq2seq export --shortlist`)."""
         if isinstance(path, (list, tuple)):
+            if not path:
+                raise UserInputError(
+                    "no model given; expected a checkpoint, a run directory or an export (a list: an ensemble)"
+                )
             if len(path) > 1:
                 return cls._load_ensemble([Path(item) for item in path], device, shortlist)
             path = path[0]

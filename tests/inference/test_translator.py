@@ -101,6 +101,8 @@ def test_a_run_directory_means_its_best_checkpoint_else_its_last(trained_checkpo
     (tmp_path / "checkpoints" / "last.pt").write_bytes(b"not a checkpoint")  # best.pt, when there is one, wins
     (tmp_path / "checkpoints" / "best.pt").write_bytes(saved)
     assert Translator.load(tmp_path, device="cpu").translate(lines, beam=2) == expected
+    with pytest.raises(UserInputError, match="no model given; expected a checkpoint"):
+        Translator.load([])  # an empty ensemble
 
 
 @pytest.mark.parametrize(
