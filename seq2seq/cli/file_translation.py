@@ -112,7 +112,9 @@ def translate_file(
     translator = Translator.load(model, device=device, shortlist=shortlist)
     decode = translator.settings(decode_overrides)
     if attention_plot is not None and translator.bundle is None:
-        raise UserInputError(f"--attention-plot: {model} is not one checkpoint; attention maps need one")  # before work
+        models = model if isinstance(model, list) else [model]
+        what = f"an ensemble of {len(models)} models" if len(models) > 1 else f"{models[0]} is an exported model"
+        raise UserInputError(f"--attention-plot: {what}; attention maps need one checkpoint (.pt)")  # before work
     guided = guides != LineGuides()
     if guides.constraints is not None or glossary is not None:
         translator.check_supported(decode, constrained=True)

@@ -170,6 +170,10 @@ CASES = {
     "translate --attention-plot over earlier plots": Case(
         lambda w: ["translate", "-c", w.checkpoint, "--attention-plot", _folder_with_plots(w)],
         lambda w: [str(w.root / "plots"), "attention_2.png already exists"], input="a cat\n"),
+    "translate --attention-plot of an ensemble": Case(
+        lambda w: ["translate", "-c", w.checkpoint, "-c", w.checkpoint, "--attention-plot", w.root / "maps"],
+        lambda w: ["--attention-plot: an ensemble of 2 models; attention maps need one checkpoint (.pt)"],
+        input="a cat\n"),
     "translate --attention-plot is a file": Case(
         lambda w: ["translate", "-c", w.checkpoint, "--attention-plot", w.file],
         lambda w: [str(w.file), "is a file", "expected a folder"], input="a cat\n"),
