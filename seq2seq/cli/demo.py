@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import shutil
 import time
@@ -16,6 +17,7 @@ from seq2seq.evaluation.evaluate import translate_and_score
 from seq2seq.evaluation.scoring import Scores
 from seq2seq.inference.translator import Translator
 from seq2seq.training.plots import plot_training_curves
+from seq2seq.training.run_dir import RunDir
 from seq2seq.training.trainer import Trainer
 
 DEMO_DATA_DIR = Path("data/demo")  # demo.yaml reads its files from here (relative to where the demo runs)
@@ -64,14 +66,17 @@ def run_demo(
     replaced), then translate and score the test split."""
     started = time.perf_counter()
     replace = _check_run_dir(run_dir)
-    corpus = demo_corpus_files()
-    _check_data_dir(DEMO_DATA_DIR, corpus)
-    write_demo_corpus(DEMO_DATA_DIR, corpus)
-    echo(f"demo corpus written to {DEMO_DATA_DIR}/ (train/valid/test .en -> .xx)")
-    config = load_config(config_path or DEMO_CONFIG, overrides)
-    if replace:
-        echo(f"replacing the earlier demo run in {run_dir}")
-        shutil.rmtree(run_dir)
+    # an earlier demo run that a process still trains in (another demo, a --resume of it) is refused,
+    # not deleted under it: its lock is held from here until the directory is gone
+    with RunDir(run_dir).held() if replace else contextlib.nullcontext():
+        corpus = demo_corpus_files()
+        _check_data_dir(DEMO_DATA_DIR, corpus)
+        write_demo_corpus(DEMO_DATA_DIR, corpus)
+        echo(f"demo corpus written to {DEMO_DATA_DIR}/ (train/valid/test .en -> .xx)")
+        config = load_config(config_path or DEMO_CONFIG, overrides)
+        if replace:
+            echo(f"replacing the earlier demo run in {run_dir}")
+            shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / DEMO_MARKER).write_text("written by `seq2seq demo`, which may replace this directory\n")
     result = Trainer(config, run_dir, show_progress=show_progress).run()

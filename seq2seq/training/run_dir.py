@@ -81,7 +81,7 @@ class RunDir:
             except BlockingIOError:
                 raise UserInputError(
                     f"{self.root}: another seq2seq process is working in this run directory (train, tokenizer "
-                    "train or distill); wait for it to stop, or choose another --run-dir"
+                    "train, distill or demo); wait for it to stop, or choose another --run-dir"
                 ) from None
             yield
         finally:

@@ -415,6 +415,24 @@ def test_demo_replaces_only_its_own_corpus(tmp_path):
         _check_data_dir(tmp_path / "earlier", files)
 
 
+def test_demo_leaves_an_earlier_demo_run_that_is_still_training(tmp_path, monkeypatch):
+    """An earlier demo's directory is the demo's to replace, but not while a process trains in it
+    (another demo, or `train --resume` continuing it): refused before any work, every file kept."""
+    from seq2seq.cli.demo import DEMO_MARKER
+    from seq2seq.training.run_dir import RunDir
+
+    monkeypatch.chdir(tmp_path)
+    earlier = tmp_path / "runs" / "demo"
+    (earlier / "checkpoints").mkdir(parents=True)
+    (earlier / DEMO_MARKER).write_text("demo")
+    (earlier / "checkpoints" / "last.pt").write_bytes(b"the training still running here")
+    with RunDir(earlier).held():  # stands for the training that still runs there
+        result = invoke("demo", "--set", "train.max_steps=1")
+    assert_user_error(result, "runs/demo: another seq2seq process is working in this run directory")
+    assert (earlier / "checkpoints" / "last.pt").read_bytes() == b"the training still running here"
+    assert not (tmp_path / "data").exists()
+
+
 def test_demo_replaces_only_its_own_runs(tmp_path):
     from seq2seq.cli.demo import DEMO_MARKER, _check_run_dir
 
