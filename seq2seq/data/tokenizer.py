@@ -164,7 +164,12 @@ def load_or_train_tokenizer(
     tokenizer = train_tokenizer(config, pairs, seed=seed, data_name=data_name)
     tokenizer.save(directory)
     write_text_atomic(directory / TRAINED_ON, json.dumps(trained_on, indent=1) + "\n")
-    log.info("trained tokenizer: %d source / %d target pieces", tokenizer.src_vocab_size, tokenizer.tgt_vocab_size)
+    sizes = (tokenizer.src_vocab_size, tokenizer.tgt_vocab_size)
+    # hard_vocab_limit=False: a small corpus gets the pieces it supports, which the log then says
+    fewer = f" (tokenizer.vocab_size {config.vocab_size}: the training text supports no more)"
+    log.info(
+        "trained tokenizer: %d source / %d target pieces%s", *sizes, fewer if min(sizes) < config.vocab_size else ""
+    )
     return tokenizer
 
 

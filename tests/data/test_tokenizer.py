@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import unicodedata
 
 from seq2seq.config import TokenizerConfig
 from seq2seq.data.special_tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
-from seq2seq.data.tokenizer import Tokenizer, train_tokenizer
+from seq2seq.data.tokenizer import Tokenizer, load_or_train_tokenizer, train_tokenizer
 from seq2seq.schema import section_problems
 
 
@@ -57,3 +58,19 @@ def test_an_unknown_output_token_reads_the_same_in_both_engines(demo_pairs):
     ours = tokenizer.decode_tgt(with_unknown)
     ctranslate2_way = tokenizer.tgt_model.decode(tokenizer.tgt_pieces(with_unknown[:-1]))  # its output stops before EOS
     assert "⁇" in ours and ours == ctranslate2_way
+
+
+def test_a_vocabulary_smaller_than_asked_is_said(demo_pairs, tmp_path, caplog):
+    """SentencePiece gives a small corpus only the pieces it supports: the log says so, rather than
+    leave a user believing the model has the vocabulary the config asked for."""
+    pairs = demo_pairs["train"][:300]
+    with caplog.at_level(logging.INFO, logger="seq2seq"):
+        small = load_or_train_tokenizer(tmp_path / "asked-too-many", TokenizerConfig(vocab_size=50_000), pairs, seed=1)
+        load_or_train_tokenizer(tmp_path / "within", TokenizerConfig(vocab_size=100), pairs, seed=1)
+    lines = [record.getMessage() for record in caplog.records if "trained tokenizer" in record.getMessage()]
+    assert small.src_vocab_size < 50_000
+    assert lines == [
+        f"trained tokenizer: {small.src_vocab_size} source / {small.tgt_vocab_size} target pieces "
+        "(tokenizer.vocab_size 50000: the training text supports no more)",
+        "trained tokenizer: 100 source / 100 target pieces",
+    ]
