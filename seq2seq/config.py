@@ -10,7 +10,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from seq2seq.decoding import DecodeConfig
+from seq2seq.decoding import SEED_LIMIT, DecodeConfig
 from seq2seq.schema import Bound, setting
 
 
@@ -186,7 +186,7 @@ class TrainConfig:
         "auto: bf16 where the hardware runs it natively, fp16 on an older GPU, fp32 otherwise (decided once, "
         "logged, kept on resume); or fp32, bf16, fp16 (CUDA only)",
     )
-    seed: int = setting(1, "seeds parameter init, dropout and the batch order")
+    seed: int = setting(1, "seeds parameter init, dropout and the batch order", Bound(0, SEED_LIMIT, high_open=True))
     threads: int = setting(0, "torch CPU threads (0: torch's default)", NOT_NEGATIVE)
     device: Literal["auto", "cpu", "cuda"] = setting(
         "auto", "auto: the GPU when torch sees one (torchrun: each rank its local rank's), else the CPU"

@@ -252,6 +252,10 @@ CASES = {
                    "--run-dir", w.root / "r-empty"],
         lambda w: [f"data.train ({w.empty}, {w.empty}): no sentence pair with text on both sides"],
         not_created=lambda w: [w.root / "r-empty" / "checkpoints"]),
+    "train with a negative seed": Case(lambda w: ["train", w.config, "--run-dir", w.root / "r-seed", "--set",
+                                                  "train.seed=-5"],
+                                       lambda w: ["--set train.seed: expected an integer in [0, 4294967296), got -5"],
+                                       not_created=lambda w: [w.root / "r-seed"]),
     "train --resume with a changed model": Case(
         lambda w: ["train", w.config, "--resume", w.run, "--set", "model.d_model=64"],
         lambda w: [f"--resume {w.run}", "model.d_model", "96 in the run, 64 given"]),
