@@ -72,7 +72,7 @@ def _value(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, tuple):
         return "[" + ", ".join(map(str, value)) + "]"
-    return f"`{value}`" if isinstance(value, str) else f"{value:,}" if isinstance(value, int) else f"{value:g}"
+    return f"`{value}`" if isinstance(value, str) else _number(value)
 
 
 def _type(hint: Any) -> str:
@@ -91,9 +91,15 @@ def _type(hint: Any) -> str:
 def _range(bound: Bound | None) -> str:
     if bound is None:
         return ""
+    low = _number(bound.low)
     if bound.high is None:
-        return f"{'>' if bound.low_open else '≥'} {bound.low:g}"
-    return f"{'(' if bound.low_open else '['}{bound.low:g}, {bound.high:g}{')' if bound.high_open else ']'}"
+        return f"{'>' if bound.low_open else '≥'} {low}"
+    return f"{'(' if bound.low_open else '['}{low}, {_number(bound.high)}{')' if bound.high_open else ']'}"
+
+
+def _number(value: float) -> str:
+    """An integer in full (a seed's 2^32 as 4,294,967,296, not 4.29497e+09), any other number short."""
+    return f"{value:,}" if isinstance(value, int) else f"{value:g}"
 
 
 def _served(metadata: Any) -> str:
