@@ -177,7 +177,7 @@ class TrainConfig:
     )
     optimizer: Literal["adam", "adamw"] = setting("adam", "the optimizer")
     betas: tuple[float, float] = setting((0.9, 0.98), "the optimizer's betas")
-    eps: float = setting(1e-9, "the optimizer's epsilon")
+    eps: float = setting(1e-9, "the optimizer's epsilon", NOT_NEGATIVE)
     weight_decay: float = setting(0.0, "the optimizer's weight decay", NOT_NEGATIVE)
     clip_norm: float = setting(1.0, "clip gradients to this global norm (0: off)", NOT_NEGATIVE)
     label_smoothing: float = setting(0.1, "label-smoothed cross entropy", RATE)

@@ -256,6 +256,9 @@ CASES = {
                                                   "train.seed=-5"],
                                        lambda w: ["--set train.seed: expected an integer in [0, 4294967296), got -5"],
                                        not_created=lambda w: [w.root / "r-seed"]),
+    "train with a negative optimizer epsilon": Case(
+        lambda w: ["train", w.config, "--run-dir", w.root / "r-eps", "--set", "train.eps=-1"],
+        lambda w: ["--set train.eps: expected a number >= 0, got -1"], not_created=lambda w: [w.root / "r-eps"]),
     "train --resume with a changed model": Case(
         lambda w: ["train", w.config, "--resume", w.run, "--set", "model.d_model=64"],
         lambda w: [f"--resume {w.run}", "model.d_model", "96 in the run, 64 given"]),
