@@ -230,12 +230,17 @@ def shortlist(
     if (src is None) != (tgt is None):
         raise UserInputError("--src and --tgt go together (source sentences and their translations)")
     check_new_file(output)
+    if src is not None:  # read and matched before the checkpoint loads
+        sources, targets = list(read_lines(src)), list(read_lines(tgt))
+        if len(sources) != len(targets) or not sources:
+            raise UserInputError(
+                f"{tgt}: {len(targets)} lines, {src}: {len(sources)}; expected one translation per source line, "
+                "and at least one"
+            )
     loaded = Checkpoint.load(checkpoint)
     if src is None:
         pairs = read_split(loaded.config.data, "train")
         sources, targets = pairs.src, pairs.tgt
-    else:
-        sources, targets = list(read_lines(src)), list(read_lines(tgt))
     built = shortlist_from_corpus(loaded.tokenizer, sources, targets, per_source=per_source, frequent=frequent)
     built.write(output)
     typer.echo(f"shortlist of {len(built.candidates)} source pieces, {len(built.frequent)} frequent -> {output}")

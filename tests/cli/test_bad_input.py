@@ -290,6 +290,11 @@ CASES = {
     "shortlist --src without --tgt": Case(
         lambda w: ["shortlist", w.checkpoint, "-o", w.root / "l", "--src", w.file],
         lambda w: ["--src and --tgt go together"], not_created=lambda w: [w.root / "l"]),
+    "shortlist --tgt of another length": Case(
+        lambda w: ["shortlist", w.checkpoint, "-o", w.root / "l", "--src", w.data / "test.en", "--tgt",
+                   w.data / "train.xx"],
+        lambda w: [f"{w.data / 'train.xx'}: 3000 lines, {w.data / 'test.en'}: 60; expected one translation per"],
+        not_created=lambda w: [w.root / "l"]),
     "distill a config without a distill section": Case(
         lambda w: ["distill", w.config, "--run-dir", w.root / "dd"],
         lambda w: [str(w.config), "no distill section"], not_created=lambda w: [w.root / "dd"]),
