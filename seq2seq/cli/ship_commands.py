@@ -109,8 +109,8 @@ def export(
 SERVED = Limits()  # the server's defaults: each option below takes its default from here
 
 
-def _limit(flag: str, help: str, kind: type = int, minimum: float = 1):
-    return Annotated[kind, typer.Option(flag, min=minimum, help=help)]
+def _limit(flag: str, help: str, kind: type = int, minimum: float = 1, maximum: float | None = None):
+    return Annotated[kind, typer.Option(flag, min=minimum, max=maximum, help=help)]
 
 
 @app.command()
@@ -130,11 +130,11 @@ def serve(
                                 ) = SERVED.max_tokens_per_line,
     max_work: _limit("--max-work", "A request's work: source pieces x beam (or samples) x length limit, over its "
                      "lines.") = SERVED.max_work,
-    batch_wait_ms: _limit("--batch-wait-ms", "How long to wait for requests to batch with.", float, 0.0
+    batch_wait_ms: _limit("--batch-wait-ms", "How long to wait for requests to batch with.", float, 0.0, 10_000
                           ) = SERVED.batch_wait * 1000,
     max_queue: _limit("--max-queue", "Requests open at once; more are answered 503.") = SERVED.max_queue,
     timeout_s: _limit("--timeout", "Seconds a request may take, queued and translating (then 503; its work stops).",
-                      float, 0.1) = SERVED.request_timeout,
+                      float, 0.1, 3600) = SERVED.request_timeout,
     api_key: Annotated[
         Optional[str],  # noqa: UP045
         typer.Option("--api-key", envvar="SEQ2SEQ_API_KEY", show_default=False,

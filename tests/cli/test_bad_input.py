@@ -282,6 +282,10 @@ CASES = {
                                                      "int3"],
                                           lambda w: ["--quantization", "int3"], not_created=lambda w: [w.root / "e"]),
     "serve a missing model": Case(lambda w: ["serve", w.missing], lambda w: [str(w.missing), "no such checkpoint"]),
+    "serve --timeout past its bound": Case(lambda w: ["serve", w.checkpoint, "--timeout", "1e400"],
+                                           lambda w: ["--timeout", "less than or equal to 3600"]),
+    "serve --batch-wait-ms past its bound": Case(lambda w: ["serve", w.checkpoint, "--batch-wait-ms", "1e12"],
+                                                 lambda w: ["--batch-wait-ms", "less than or equal to 10000"]),
     "serve with a missing shortlist": Case(lambda w: ["serve", w.checkpoint, "--shortlist", w.missing],
                                            lambda w: [str(w.missing), "unreadable shortlist"]),
     "export with a shortlist of another vocabulary": Case(
