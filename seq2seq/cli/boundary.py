@@ -4,15 +4,20 @@ Bad input (UserInputError), operating-system errors on a user's path (missing, a
 writable, disk full) and command-line mistakes (a bad flag value, an unknown option) become one line
 per problem on stderr and exit code 2; anything else is a bug, reported in one line with exit 1.
 `--debug` (or SEQ2SEQ_DEBUG=1) shows the traceback instead. stdout is left to the results.
+Ctrl-C and SIGTERM end a command through the same boundary: what it holds is released and its
+half-written files are removed on the way out (exit 130 and 143).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import logging
 import os
+import signal
 import sys
+import threading
 
 import typer
 from tqdm import tqdm
@@ -111,6 +116,37 @@ def _missing_extra(error: ModuleNotFoundError) -> str | None:
     return f"{module} is not installed; this command needs seq2seq's [{extra}] extra: pip install 'seq2seq[{extra}]'"
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread as Ctrl-C raises KeyboardInterrupt. The default action would
+    end the process on the spot, leaving a half-written output beside its target (files.atomic_write
+    removes it on the way out of an exception) and a run directory's lock to the kernel."""
+
+
+@contextlib.contextmanager
+def _sigterm_raises():
+    """SIGTERM raises Terminated while the block runs (only the main thread may take signals)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def raise_terminated(signum, frame):
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+# What an interrupted command leaves that a user can go on from, by command (the others: nothing
+# half-written, since every file is written whole or not at all).
+INTERRUPTED_HINTS = {
+    "train": "the last checkpoint is kept: continue with --resume RUN_DIR",
+    "distill": "finished stages are kept: the same command continues from them",
+}
+
+
 def user_errors(command):
     """The error boundary of every command: one line per problem, never a traceback (unless --debug)."""
 
@@ -118,12 +154,14 @@ def user_errors(command):
     def wrapper(*args, **kwargs):
         setup_logging()
         try:
-            return command(*args, **kwargs)
+            with _sigterm_raises():
+                return command(*args, **kwargs)
         except (typer.Exit, typer.Abort):
             raise
-        except KeyboardInterrupt:
-            typer.echo("interrupted; the last checkpoint is kept (resume with --resume RUN_DIR)", err=True)
-            raise typer.Exit(130) from None
+        except (KeyboardInterrupt, Terminated) as stop:
+            hint = INTERRUPTED_HINTS.get(command.__name__)
+            typer.echo(f"interrupted; {hint}" if hint else "interrupted", err=True)
+            raise typer.Exit(143 if isinstance(stop, Terminated) else 130) from None
         except BrokenPipeError:  # the reader of stdout stopped (`| head`): stop quietly, as Unix tools do
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot fail again
             raise typer.Exit(141) from None  # 128 + SIGPIPE, what `cat big | head` reports

@@ -36,6 +36,7 @@ import json
 import logging
 import math
 import queue
+import signal
 import sys
 import threading
 import time
@@ -348,6 +349,9 @@ def serve(
     translator = Translator.load(model, shortlist=shortlist, device=device)
     name = " + ".join(map(str, model)) if isinstance(model, list) else str(model)
     app = create_app(translator, model_name=name, limits=limits, api_key=api_key)
+    # uvicorn catches SIGTERM for its graceful shutdown and raises it again when done: with the default
+    # action the process then ends as a stopped server, not as an interrupted command (cli.boundary)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     # a request admitted before SIGTERM may take up to request_timeout: shutdown waits as long for it
     uvicorn.run(
         app,

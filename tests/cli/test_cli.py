@@ -452,3 +452,60 @@ def test_a_reader_that_stops_early_ends_the_command_quietly(tmp_path):
     process.stdout.close()  # the reader is gone before the first result is written
     stderr = process.stderr.read()
     assert process.wait() == 141 and stderr == ""
+
+
+GATED_TRANSLATE = """
+import pathlib, sys, time
+from seq2seq.inference import pytorch_engine
+gate = pathlib.Path(sys.argv[1])
+def held(self, *args, **kwargs):  # tell the test the translation has begun, then wait to be stopped
+    (gate / "entered").touch()
+    while True:
+        time.sleep(0.01)
+pytorch_engine.PyTorchEngine.translate = held
+from seq2seq.cli.main import main
+sys.argv = ["seq2seq", "translate", *sys.argv[2:]]
+main()
+"""
+
+
+def test_sigterm_ends_a_translation_without_a_half_written_output(trained_checkpoint, tmp_path):
+    """SIGTERM (a `timeout`, a container that stops) once the translation has begun: the command ends
+    through its error boundary, exit 143 and one line, and the output it was writing is neither there
+    nor left half-written under a temporary name (the default action left `.out.txt.tmp-HOST-PID`)."""
+    import signal
+    import time
+
+    source = tmp_path / "source.txt"
+    source.write_text("the cat sleeps\n")
+    command = [sys.executable, "-c", GATED_TRANSLATE, str(tmp_path), "-c", trained_checkpoint[0], "-i", source,
+               "-o", tmp_path / "out.txt"]  # fmt: skip
+    process = subprocess.Popen([str(part) for part in command], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 90
+    while not (tmp_path / "entered").exists():  # the event: the translation has begun
+        assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
+        time.sleep(0.01)
+    process.send_signal(signal.SIGTERM)
+    stderr = process.communicate(timeout=60)[1]
+    assert process.returncode == 143 and stderr.splitlines()[-1] == "interrupted", stderr
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["entered", "source.txt"]
+
+
+def test_an_interrupted_command_says_what_it_leaves(trained_checkpoint, tiny_config_file, tmp_path, monkeypatch):
+    """Ctrl-C: a training keeps its last checkpoint and says how to go on; a translation has nothing
+    half-written to tell of (it said "the last checkpoint is kept", as if it were a training)."""
+    from seq2seq.inference import pytorch_engine
+    from seq2seq.training.trainer import Trainer
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pytorch_engine.PyTorchEngine, "translate", interrupted)
+    monkeypatch.setattr(Trainer, "run", interrupted)
+    translation = invoke("translate", "-c", trained_checkpoint[0], input="the cat\n")
+    assert translation.exit_code == 130 and translation.stderr.splitlines()[-1] == "interrupted"
+    training = invoke("train", tiny_config_file, "--run-dir", tmp_path / "run")
+    assert training.exit_code == 130
+    assert (
+        training.stderr.splitlines()[-1] == "interrupted; the last checkpoint is kept: continue with --resume RUN_DIR"
+    )
