@@ -54,6 +54,9 @@ LAYER_NORM_EPSILON = 1e-5  # torch.nn.LayerNorm's default, which our layers use
 # Quantizations that CTranslate2 computes only on a GPU (on a CPU it converts them to float32): the
 # parity gate decodes such an export on the GPU when there is one, so that it checks what users run.
 GPU_QUANTIZATIONS = ("float16", "bfloat16")
+# The most positions an export's table may hold: 65,536 x d_model floats (256 MB at d 1024). A table
+# sized by a slip of the keyboard (10^8) would ask for tens of GB before anything is written.
+MAX_POSITIONS = 65_536
 
 
 class ExportFailed(Exception):
@@ -123,6 +126,8 @@ def export_checkpoint(
     map); the gate then compares it with the checkpoint held to the same shortlist."""
     if quantization not in QUANTIZATIONS:
         raise UserInputError(f"--quantization {quantization}: expected one of {', '.join(QUANTIZATIONS)}")
+    if max_positions is not None and not 1 <= max_positions <= MAX_POSITIONS:
+        raise UserInputError(f"--max-positions {max_positions}: expected an integer in [1, {MAX_POSITIONS:,}]")
     if output.exists():
         raise UserInputError(f"{output}: already exists; expected a new directory (delete it or choose another -o)")
     missing = _missing_folders(output.parent)  # made when the work starts, removed again if it fails

@@ -278,6 +278,10 @@ CASES = {
                                           lambda w: [str(w.folder), "no metrics to plot"]),
     "export to an existing path": Case(lambda w: ["export", w.checkpoint, "-o", w.folder],
                                        lambda w: [str(w.folder), "already exists"]),
+    "export --max-positions past its bound": Case(
+        lambda w: ["export", w.checkpoint, "-o", w.root / "e3", "--max-positions", "100000000"],
+        lambda w: ["--max-positions 100000000: expected an integer in [1, 65,536]"],
+        not_created=lambda w: [w.root / "e3"]),
     "export --quantization unknown": Case(lambda w: ["export", w.checkpoint, "-o", w.root / "e", "--quantization",
                                                      "int3"],
                                           lambda w: ["--quantization", "int3"], not_created=lambda w: [w.root / "e"]),
