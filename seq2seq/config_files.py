@@ -62,12 +62,25 @@ def _data_path_problem(path: Path, *, folder_allowed: bool) -> str:
 
 def config_from_dict(raw: dict[str, Any], origin: str) -> Config:
     """Validate an already-parsed config (e.g. from a checkpoint); files are not checked."""
-    return _build_checked(raw, origin=origin, overridden=set())
+    return _build_checked(raw, origin=origin, overridden={})
 
 
-def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> set[str]:
-    """Apply `section.key=value` strings (values parsed as YAML) in place; return the keys set."""
-    keys = set()
+class FlagOverride(str):
+    """A `decode.KEY=VALUE` item that a flag of its own stands for (`--beam 5` for decode.beam=5): a
+    problem with its value names that flag, which the user typed, rather than a --set they did not."""
+
+    flag: str
+
+    def __new__(cls, item: str, flag: str) -> FlagOverride:
+        override = super().__new__(cls, item)
+        override.flag = flag
+        return override
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, str]:
+    """Apply `section.key=value` strings (values parsed as YAML) in place; return each key set, with
+    the flag that set it as a problem with it should name it (`--set KEY` or a FlagOverride's flag)."""
+    keys = {}
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or not key or any(not part for part in key.split(".")):
@@ -83,7 +96,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> set[str]:
         except yaml.YAMLError as error:
             problem = getattr(error, "problem", None) or "not valid YAML"
             raise UserInputError(f"--set {item}: the value is not valid YAML ({problem})") from None
-        keys.add(key)
+        keys[key] = getattr(item, "flag", f"--set {key}")
     return keys
 
 
@@ -116,11 +129,11 @@ def decode_config_from(stored: DecodeConfig, values: dict[str, Any], *, origin: 
         decode = build_dataclass(DecodeConfig, {**dataclasses.asdict(stored), **values}, "decode.", errors)
     if not errors:
         collect_problems(decode, "decode.", errors)
-    _raise_problems(errors, origin=origin, overridden=set())
+    _raise_problems(errors, origin=origin, overridden={})
     return decode
 
 
-def _build_checked(raw: dict[str, Any], *, origin: str, overridden: set[str]) -> Config:
+def _build_checked(raw: dict[str, Any], *, origin: str, overridden: dict[str, str]) -> Config:
     errors: list[tuple[str, str]] = []
     config = build_dataclass(Config, raw, "", errors)
     if not errors:
@@ -129,8 +142,8 @@ def _build_checked(raw: dict[str, Any], *, origin: str, overridden: set[str]) ->
     return config
 
 
-def _raise_problems(errors: list[tuple[str, str]], *, origin: str, overridden: set[str]) -> None:
-    """One line per problem, naming the --set flag that caused it or else the file."""
+def _raise_problems(errors: list[tuple[str, str]], *, origin: str, overridden: dict[str, str]) -> None:
+    """One line per problem, naming the flag that caused it (apply_overrides) or else the file."""
     if errors:
-        lines = [f"--set {key}: {msg}" if key in overridden else f"{origin}: {key}: {msg}" for key, msg in errors]
+        lines = [f"{overridden[key]}: {msg}" if key in overridden else f"{origin}: {key}: {msg}" for key, msg in errors]
         raise UserInputError("\n".join(lines))

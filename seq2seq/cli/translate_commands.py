@@ -26,8 +26,10 @@ BeamOption = Annotated[
 
 def _decode_overrides(overrides: list[str] | None, beam: int | None, nbest: int | None) -> list[str]:
     """--set decode.KEY=VALUE items, then --beam and --nbest on top."""
-    extra = [f"decode.beam={beam}"] if beam is not None else []
-    extra += [f"decode.nbest={nbest}"] if nbest is not None else []
+    from seq2seq.config_files import FlagOverride
+
+    extra = [FlagOverride(f"decode.beam={beam}", "--beam")] if beam is not None else []
+    extra += [FlagOverride(f"decode.nbest={nbest}", "--nbest")] if nbest is not None else []
     return [*(overrides or []), *extra]
 
 

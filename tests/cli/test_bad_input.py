@@ -148,6 +148,11 @@ CASES = {
                                            input="a cat\n"),
     "translate --beam 0": Case(lambda w: ["translate", "-c", w.checkpoint, "--beam", "0"],
                                lambda w: ["Invalid value for '--beam'"], input="a cat\n"),
+    "translate --nbest past --beam": Case(lambda w: ["translate", "-c", w.checkpoint, "--beam", "2", "--nbest", "3"],
+                                          lambda w: ["--nbest: expected at most beam (2), got 3"], input="a cat\n"),
+    "eval --beam past its bound": Case(
+        lambda w: ["eval", "-c", w.checkpoint, "--src", w.file, "--ref", w.file, "--beam", "100000"],
+        lambda w: ["--beam: expected an integer in [1, 256], got 100000"]),
     "translate a non-finite setting": Case(
         lambda w: ["translate", "-c", w.checkpoint, "--set", "decode.length_penalty=.nan"],
         lambda w: ["decode.length_penalty", "expected a finite number"], input="a cat\n"),
