@@ -5,12 +5,19 @@ export term bases; empty lines and lines starting with # are skipped. An entry a
 that contains its source term as whole words (case-sensitive: "Lord" is not "lord"); its target
 term then becomes one of that line's constraints. Per-line constraints (a file of one line per
 source line, target phrases separated by tabs) work the same way without the lookup.
+
+A line is looked up word by word, not term by term: term bases run to tens of thousands of entries,
+and a search for each term in each line (one regular expression per term) took longer than the
+translation itself. A term that starts with a word character can only match where one of the line's
+words equals the term's first word, so the terms are indexed by their first word and only those
+sharing a word with the line are checked.
 """
 
 from __future__ import annotations
 
 import functools
 import re
+from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,13 +46,35 @@ class Glossary:
         return cls(entries, numbers)
 
     def constraints(self, line: str) -> list[str]:
-        """The target terms of the entries whose source term `line` contains as whole words."""
-        return [target for source, target in self.entries if _whole_words(source).search(line)]
+        """The target terms of the entries whose source term `line` contains as whole words, in file order:
+        where the term occurs with no word character right before or after it (`(?<!\\w)term(?!\\w)`)."""
+        by_first_word, others = self._index
+        matched = {index for index, pattern in others if pattern.search(line)}
+        for word in _WORD_RUN.finditer(line):
+            start = word.start()
+            for index in by_first_word.get(word.group(), ()):
+                source = self.entries[index][0]
+                if line.startswith(source, start) and not _WORD_CHARACTER.match(line, start + len(source)):
+                    matched.add(index)
+        return [self.entries[index][1] for index in sorted(matched)]
+
+    @functools.cached_property
+    def _index(self) -> tuple[dict[str, list[int]], list[tuple[int, re.Pattern]]]:
+        """Entries by their source term's first word (its leading run of word characters, which a match
+        must find as a whole word of the line), and the entries whose term starts with another character."""
+        by_first_word: dict[str, list[int]] = defaultdict(list)
+        others = []
+        for index, (source, _) in enumerate(self.entries):
+            first = _WORD_RUN.match(source)
+            if first:
+                by_first_word[first.group()].append(index)
+            else:
+                others.append((index, re.compile(rf"(?<!\w){re.escape(source)}(?!\w)")))
+        return dict(by_first_word), others
 
 
-@functools.lru_cache(maxsize=4096)
-def _whole_words(term: str) -> re.Pattern:
-    return re.compile(rf"(?<!\w){re.escape(term)}(?!\w)")
+_WORD_RUN = re.compile(r"\w+")
+_WORD_CHARACTER = re.compile(r"\w")
 
 
 def merged_constraints(
