@@ -2,6 +2,7 @@
 """The benchmark ledger: one machine-stamped JSON result per benchmark run, and the pages rendered from them.
 
     python benchmarks/ledger.py run benchmark_train.py --sides "reference fp32" "ours fp32" --steps 200
+    python benchmarks/ledger.py run --aside benchmark_train.py --sides "ours bf16" --compile --gpu-code-path
     seq2seq demo 2>&1 | python benchmarks/ledger.py record demo --command "seq2seq demo"
     python benchmarks/ledger.py render
 
@@ -14,8 +15,9 @@ its results are filed as "CPU capped at AVX2".
 output as it comes, and writes benchmarks/results/<benchmark>/<date>-<hhmm>-<machine kind>-<commit>.json:
 the machine (CPU model and ISA flags, or the GPU; cores; torch and Python), the date, the commit,
 the command, the output and every Markdown table the output printed. `render` writes
-benchmarks/README.md from the results (per benchmark, the latest result of each machine kind, the
-history below it) and the README's "Performance at a glance" table between its ledger markers.
+benchmarks/README.md from the results (per benchmark, the latest result of each machine kind that
+was not set aside with --aside, the history below it) and the README's "Performance at a glance"
+table between its ledger markers.
 Figures belong here, not in prose: the README and docs quote the ledger.
 """
 
@@ -49,6 +51,7 @@ GLANCE = {
     "recipe_study": ("mean", "recipe study, test BLEU (mean over seeds)"),
 }
 GLANCE_CELLS = 4  # figures per glance row
+SET_ASIDE = " (set aside)"  # how the history marks a variant (record's `aside`)
 OUTPUT_TAIL_LINES = 6  # what the page quotes of a result without tables
 KINDS = {"amx_bf16": "CPU with AMX", "avx512_bf16": "CPU with AVX-512-bf16", "avx2": "CPU with AVX2 only"}
 # With all three set, PyTorch's own kernels, oneDNN and MKL use nothing past AVX2 on a newer CPU, and its
@@ -116,7 +119,7 @@ def _cells(line: str) -> list[str]:
     return [cell.strip() for cell in line.strip().strip("|").split("|")]
 
 
-def run(script: str, arguments: list[str]) -> Path:
+def run(script: str, arguments: list[str], *, aside: bool = False) -> Path:
     """Run benchmarks/<script> with `arguments`, echo its output, and record it in the ledger."""
     command = [sys.executable, str(HERE / script), *arguments]
     measured = revision()  # the code as it is now, before any commit made while the benchmark runs
@@ -129,7 +132,7 @@ def run(script: str, arguments: list[str]) -> Path:
         raise SystemExit(f"error: {script} exited with {process.returncode}; nothing recorded")
     capped = [f"{name}={value}" for name, value in AVX2_CAP.items()] if machine()["kind"] == CAPPED_KIND else []
     command_line = shlex.join([*capped, "python", f"benchmarks/{script}", *arguments])  # as a shell would take it back
-    return record(Path(script).stem, "".join(output), command=command_line, commit=measured)
+    return record(Path(script).stem, "".join(output), command=command_line, commit=measured, aside=aside)
 
 
 def revision() -> str:
@@ -140,12 +143,23 @@ def revision() -> str:
     return commit.stdout.strip() + ("+changes" if dirty else "")
 
 
-def record(benchmark: str, output: str, *, command: str, commit: str | None = None, extra: dict | None = None) -> Path:
-    """Write one result; its name says when, where and at which commit (default: HEAD now) it was measured."""
+def record(
+    benchmark: str,
+    output: str,
+    *,
+    command: str,
+    commit: str | None = None,
+    extra: dict | None = None,
+    aside: bool = False,
+) -> Path:
+    """Write one result; its name says when, where and at which commit (default: HEAD now) it was measured.
+    A result set `aside` (a variant: one side, a flag tried) joins the history without becoming its kind's
+    latest figures (latest_by_kind)."""
     found, now = machine(), datetime.datetime.now(datetime.timezone.utc)
     result = {"benchmark": benchmark, "date": now.date().isoformat(), "time": now.strftime("%H:%M:%S"),
               "commit": commit or revision(), "command": command, "machine": found,
-              "tables": tables(output), "output": output, **(extra or {})}  # fmt: skip
+              "tables": tables(output), "output": output, **({"aside": True} if aside else {}),
+              **(extra or {})}  # fmt: skip
     slug = re.sub(r"[^a-z0-9]+", "-", found["kind"].lower()).strip("-")
     stem = f"{result['date']}-{now.strftime('%H%M')}-{slug}-{result['commit'].split('+')[0] or 'nocommit'}"
     path, copies = RESULTS / benchmark / f"{stem}.json", 1
@@ -172,8 +186,9 @@ def results() -> dict[str, list[dict]]:
 
 
 def latest_by_kind(runs: list[dict]) -> dict[str, dict]:
+    """Each machine kind's newest result that is not set aside, or its newest of all where every one is."""
     latest: dict[str, dict] = {}
-    for result in runs:  # newest first
+    for result in sorted(runs, key=lambda r: bool(r.get("aside"))):  # newest first, set-aside results last
         latest.setdefault(result["machine"]["kind"], result)
     return latest
 
@@ -181,7 +196,8 @@ def latest_by_kind(runs: list[dict]) -> dict[str, dict]:
 def render_page(ledger: dict[str, list[dict]]) -> str:
     lines = ["# The benchmark ledger", "",
              "Rendered by `python benchmarks/ledger.py render` from `benchmarks/results/`: per benchmark, the latest "
-             "result of each machine kind, then the history. Compare ratios measured side by side in one run, "
+             "result of each machine kind (variants recorded with `--aside` stay in the history), then the history. "
+             "Compare ratios measured side by side in one run, "
              "never absolute figures across machines or days. Record a run with `python benchmarks/ledger.py run "
              "SCRIPT ARGS...`.", ""]  # fmt: skip
     for name, runs in ledger.items():
@@ -196,8 +212,8 @@ def render_page(ledger: dict[str, list[dict]]) -> str:
             if not result["tables"] and result.get("output"):  # a command's own report (the demo's): its end
                 lines += ["```text", *result["output"].rstrip().splitlines()[-OUTPUT_TAIL_LINES:], "```", ""]
         lines += ["History:", ""]
-        lines += [f"- {r['date']}, {r['machine']['kind']}, commit {r['commit']}: [{Path(r['path']).name}]({r['path']})"
-                  for r in runs]  # fmt: skip
+        lines += [f"- {r['date']}, {r['machine']['kind']}, commit {r['commit']}{SET_ASIDE if r.get('aside') else ''}: "
+                  f"[{Path(r['path']).name}]({r['path']})" for r in runs]  # fmt: skip
         lines.append("")
     return "\n".join(lines)
 
@@ -269,18 +285,21 @@ def render() -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="action", required=True)
+    aside = "a variant (one side, a flag tried): in the history, not its kind's latest figures"
     running = commands.add_parser("run", help="run a benchmark of this folder and record its result")
+    running.add_argument("--aside", action="store_true", help=aside)
     running.add_argument("script")
     running.add_argument("arguments", nargs=argparse.REMAINDER)
     recording = commands.add_parser("record", help="record what a command printed (stdin) as a result")
     recording.add_argument("name")
     recording.add_argument("--command", required=True, help="the command that printed it")
+    recording.add_argument("--aside", action="store_true", help=aside)
     commands.add_parser("render", help="write benchmarks/README.md and the README's glance table")
     args = parser.parse_args()
     if args.action == "run":
-        run(args.script, args.arguments)
+        run(args.script, args.arguments, aside=args.aside)
     elif args.action == "record":
-        record(args.name, sys.stdin.read(), command=args.command)
+        record(args.name, sys.stdin.read(), command=args.command, aside=args.aside)
     else:
         render()
     return 0

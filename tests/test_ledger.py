@@ -110,6 +110,23 @@ def test_of_two_results_of_one_day_the_later_is_the_latest(tmp_path, monkeypatch
     assert latest["command"] == "later"
 
 
+def test_a_result_set_aside_stays_in_the_history_without_replacing_the_headline(tmp_path, monkeypatch):
+    """A variant (one side, a flag tried) recorded after a kind's headline run does not become its latest figures."""
+    monkeypatch.setattr(ledger, "RESULTS", tmp_path)
+    monkeypatch.setattr(ledger, "revision", lambda: "same123")
+    headline = ledger.record("benchmark_serve", OUTPUT, command="headline")
+    variant = ledger.record("benchmark_serve", OUTPUT.replace("38.2", "99.9"), command="variant", aside=True)
+    for path, time in ((headline, "09:00:00"), (variant, "10:00:00")):
+        path.write_text(json.dumps({**json.loads(path.read_text()), "time": time}))
+    results = ledger.results()
+    page, glance = ledger.render_page(results), ledger.glance(results)
+    assert "| 1 | 38.2 | 24 ms |" in page and "clients 1: 38.2" in glance and "99.9" not in page + glance
+    assert f"(set aside): [{variant.name}]" in page  # still in the history, marked
+    monkeypatch.setattr(ledger, "RESULTS", tmp_path / "only_aside")
+    ledger.record("benchmark_serve", OUTPUT.replace("38.2", "99.9"), command="variant", aside=True)
+    assert "| 1 | 99.9 | 24 ms |" in ledger.render_page(ledger.results())  # a kind with nothing else shows it
+
+
 def test_a_cpu_capped_at_avx2_is_filed_as_its_own_kind_and_pytorch_runs_under_the_cap(monkeypatch):
     if "avx512f" not in ledger.machine().get("isa", []):
         pytest.skip("no CPU with anything past AVX2 to cap (an AVX2-only CPU, or a GPU machine's ledger kind)")
