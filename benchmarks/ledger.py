@@ -132,7 +132,8 @@ def run(script: str, arguments: list[str], *, aside: bool = False) -> Path:
         raise SystemExit(f"error: {script} exited with {process.returncode}; nothing recorded")
     capped = [f"{name}={value}" for name, value in AVX2_CAP.items()] if machine()["kind"] == CAPPED_KIND else []
     command_line = shlex.join([*capped, "python", f"benchmarks/{script}", *arguments])  # as a shell would take it back
-    return record(Path(script).stem, "".join(output), command=command_line, commit=measured, aside=aside)
+    marks = {"aside": True} if aside else {}
+    return record(Path(script).stem, "".join(output), command=command_line, commit=measured, extra=marks)
 
 
 def revision() -> str:
@@ -143,23 +144,14 @@ def revision() -> str:
     return commit.stdout.strip() + ("+changes" if dirty else "")
 
 
-def record(
-    benchmark: str,
-    output: str,
-    *,
-    command: str,
-    commit: str | None = None,
-    extra: dict | None = None,
-    aside: bool = False,
-) -> Path:
+def record(benchmark: str, output: str, *, command: str, commit: str | None = None, extra: dict | None = None) -> Path:
     """Write one result; its name says when, where and at which commit (default: HEAD now) it was measured.
-    A result set `aside` (a variant: one side, a flag tried) joins the history without becoming its kind's
-    latest figures (latest_by_kind)."""
+    `extra` fields join it: {"aside": True} sets a variant (one side, a flag tried) aside, in the history
+    without becoming its kind's latest figures (latest_by_kind)."""
     found, now = machine(), datetime.datetime.now(datetime.timezone.utc)
     result = {"benchmark": benchmark, "date": now.date().isoformat(), "time": now.strftime("%H:%M:%S"),
               "commit": commit or revision(), "command": command, "machine": found,
-              "tables": tables(output), "output": output, **({"aside": True} if aside else {}),
-              **(extra or {})}  # fmt: skip
+              "tables": tables(output), "output": output, **(extra or {})}  # fmt: skip
     slug = re.sub(r"[^a-z0-9]+", "-", found["kind"].lower()).strip("-")
     stem = f"{result['date']}-{now.strftime('%H%M')}-{slug}-{result['commit'].split('+')[0] or 'nocommit'}"
     path, copies = RESULTS / benchmark / f"{stem}.json", 1
@@ -299,7 +291,7 @@ def main() -> int:
     if args.action == "run":
         run(args.script, args.arguments, aside=args.aside)
     elif args.action == "record":
-        record(args.name, sys.stdin.read(), command=args.command, aside=args.aside)
+        record(args.name, sys.stdin.read(), command=args.command, extra={"aside": True} if args.aside else None)
     else:
         render()
     return 0

@@ -115,7 +115,7 @@ def test_a_result_set_aside_stays_in_the_history_without_replacing_the_headline(
     monkeypatch.setattr(ledger, "RESULTS", tmp_path)
     monkeypatch.setattr(ledger, "revision", lambda: "same123")
     headline = ledger.record("benchmark_serve", OUTPUT, command="headline")
-    variant = ledger.record("benchmark_serve", OUTPUT.replace("38.2", "99.9"), command="variant", aside=True)
+    variant = ledger.record("benchmark_serve", OUTPUT.replace("38.2", "99.9"), command="variant", extra={"aside": True})
     for path, time in ((headline, "09:00:00"), (variant, "10:00:00")):
         path.write_text(json.dumps({**json.loads(path.read_text()), "time": time}))
     results = ledger.results()
@@ -123,7 +123,7 @@ def test_a_result_set_aside_stays_in_the_history_without_replacing_the_headline(
     assert "| 1 | 38.2 | 24 ms |" in page and "clients 1: 38.2" in glance and "99.9" not in page + glance
     assert f"(set aside): [{variant.name}]" in page  # still in the history, marked
     monkeypatch.setattr(ledger, "RESULTS", tmp_path / "only_aside")
-    ledger.record("benchmark_serve", OUTPUT.replace("38.2", "99.9"), command="variant", aside=True)
+    ledger.record("benchmark_serve", OUTPUT.replace("38.2", "99.9"), command="variant", extra={"aside": True})
     assert "| 1 | 99.9 | 24 ms |" in ledger.render_page(ledger.results())  # a kind with nothing else shows it
 
 
