@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import re
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from seq2seq.data.sources import read_lines
@@ -27,8 +27,14 @@ from seq2seq.errors import UserInputError
 
 @dataclass(frozen=True)
 class Glossary:
-    entries: list[tuple[str, str]]  # (source term, target term), in file order
-    line_numbers: list[int] = field(default_factory=list)  # each entry's line in its file, for messages
+    """The entries are kept as tuples: the index of them is built on first use and must not go stale."""
+
+    entries: tuple[tuple[str, str], ...]  # (source term, target term), in file order
+    line_numbers: tuple[int, ...] = ()  # each entry's line in its file, for messages
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "entries", tuple(tuple(entry) for entry in self.entries))
+        object.__setattr__(self, "line_numbers", tuple(self.line_numbers))
 
     @classmethod
     def load(cls, path: str | Path) -> Glossary:

@@ -3,6 +3,7 @@ of the glossary: the word index finds exactly what a search for each term finds.
 
 import re
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -36,3 +37,14 @@ def test_whole_words_and_file_order():
     assert glossary.constraints("the Lord God said") == ["Señor Dios", "Señor", "Dios"]
     assert glossary.constraints("Lordship and lord, Godly") == []
     assert glossary.constraints("God_ (c) 2026 Lord.") == ["Señor", "©"]
+
+
+def test_a_glossary_keeps_the_entries_it_was_given():
+    """Its index is built on first use: entries changed afterwards would be silently ignored."""
+    given = [("Lord", "Señor")]
+    glossary = Glossary(given)
+    assert glossary.constraints("the Lord God") == ["Señor"]
+    given.append(("God", "Dios"))  # the caller's list is theirs
+    assert glossary.constraints("the Lord God") == ["Señor"]
+    with pytest.raises(AttributeError):
+        glossary.entries.append(("God", "Dios"))
