@@ -41,10 +41,10 @@ def test_whole_words_and_file_order():
 
 def test_a_glossary_keeps_the_entries_it_was_given():
     """Its index is built on first use: entries changed afterwards would be silently ignored."""
-    given = [("Lord", "Señor")]
-    glossary = Glossary(given)
+    callers_entries = [("Lord", "Señor")]
+    glossary = Glossary(callers_entries)
     assert glossary.constraints("the Lord God") == ["Señor"]
-    given.append(("God", "Dios"))  # the caller's list is theirs
+    callers_entries.append(("God", "Dios"))  # the list stays the caller's
     assert glossary.constraints("the Lord God") == ["Señor"]
     with pytest.raises(AttributeError):
         glossary.entries.append(("God", "Dios"))
