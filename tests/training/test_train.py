@@ -195,22 +195,6 @@ def test_tensorboard_events_when_the_optional_extra_is_installed(tmp_path, tiny_
     assert any((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(("precision", "dropout"), [("fp32", 0.0), ("bf16", 0.1)])
-def test_torch_compile_gives_the_eager_losses(tmp_path, tiny_data, precision, dropout):
-    """fp32 without dropout: the same arithmetic. bf16 with dropout (the working copy, the 1s-and-0s
-    dropout mask): compiled, it must train as eager does; the random draws may differ, the losses only by noise."""
-    losses = {}
-    for compiled in (False, True):
-        raw = tiny_config_dict(tiny_data, max_steps=3, log_every=1, valid_every=100, compile=compiled,
-                               precision=precision)  # fmt: skip
-        raw["model"]["dropout"] = dropout
-        trainer = Trainer(config_from_dict(raw, origin="test"), tmp_path / f"run{compiled}", show_progress=False)
-        trainer.run()
-        losses[compiled] = [r["loss"] for r in trainer.metrics.read() if r["kind"] == "train"]
-    assert losses[True] == pytest.approx(losses[False], abs=1e-4 if precision == "fp32" else 0.05)
-
-
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_late_dropout_is_off_before_its_epoch_and_on_from_it(tmp_path, tiny_data, precision):
     """train.dropout_from_epoch 2 (the tiny corpus is 33 updates an epoch): through the first epoch the
