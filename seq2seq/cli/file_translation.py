@@ -269,7 +269,12 @@ def _translated(
     lines, prefixes, constraints = _guidance(rows, glossary, guided=guided)
     numbers = list(range(names.first, names.first + len(lines)))  # a sampled line draws by its line in the file
     results = translator.translate_with(
-        lines, decode, prefixes=prefixes, constraints=constraints, line_numbers=numbers, names=names
+        lines,
+        decode,
+        prefixes=prefixes,
+        constraints=constraints,
+        line_numbers=numbers,
+        names=names,
+        progress=bar.update,  # batch by batch: a chunk is up to FILE_CHUNK_LINES lines
     )
-    bar.update(len(lines))
     return iter(results)

@@ -97,12 +97,14 @@ def _translate_in_chunks(
                 decode = translator.settings(beam=distill.beam, nbest=distill.nbest, sample=distill.sample)
             lines = sources[start : start + size]
             kept = [i for i, n in enumerate(translator.source_lengths(lines)) if n <= config.data.max_length + 1]
-            found = translator.translate_with([lines[i] for i in kept], decode, line_numbers=[start + i for i in kept])
+            bar.update(len(lines) - len(kept))
+            found = translator.translate_with(
+                [lines[i] for i in kept], decode, line_numbers=[start + i for i in kept], progress=bar.update
+            )
             texts = [[] for _ in lines]
             for i, translation in zip(kept, found):
                 texts[i] = [text for text, _ in translation.nbest]
             write_text_atomic(_chunk_path(work, start, size), json.dumps(texts, ensure_ascii=False))
-            bar.update(len(lines))
     return [
         targets
         for start in starts

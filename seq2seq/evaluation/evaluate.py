@@ -19,6 +19,7 @@ from seq2seq.evaluation.scoring import ScoreOptions, Scores, read_text_file, sco
 from seq2seq.files import check_new_file, write_text_atomic
 from seq2seq.inference.admission import Names
 from seq2seq.inference.translator import Translator
+from seq2seq.progress import progress_bar
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,8 @@ def translate_and_score(
         if len(sources) != len(reference_set):
             raise UserInputError(f"{len(sources)} sources but {len(reference_set)} references; expected equal counts")
     decode = dataclasses.replace(decode or translator.decode, nbest=1)
-    hypotheses = [t.text for t in translator.translate_with(sources, decode, progress=progress)]
+    with progress_bar(total=len(sources), desc="translate", unit="sent", enabled=progress, leave=False) as bar:
+        hypotheses = [t.text for t in translator.translate_with(sources, decode, progress=bar.update)]
     return Evaluation(hypotheses, score(hypotheses, reference_sets, options))
 
 

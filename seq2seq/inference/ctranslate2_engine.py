@@ -24,7 +24,7 @@ import contextlib
 import os
 import re
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +40,7 @@ from seq2seq.inference.engine import (
     EXPORT_METADATA,
     DeadlinePassed,
     Engine,
+    LinesDone,
     PairScore,
     Translation,
     read_export_metadata,
@@ -127,12 +128,12 @@ class CTranslate2Engine:
         self,
         lines: list[str],
         decode: DecodeConfig,
-        progress: bool,
         *,
         prefixes: list[str] | None = None,
         constraints: list[list[str]] | None = None,
         line_numbers: list[int] | None = None,
         deadline: float | None = None,
+        progress: LinesDone | None = None,
     ) -> list[Translation]:
         """`line_numbers` is not used: CTranslate2's samples do not depend on a line's index (nor repeat)."""
         if constraints:  # Translator refuses them before they get here
@@ -144,9 +145,11 @@ class CTranslate2Engine:
         limits = [decode.output_limit(len(sentence) + 1) for sentence in pieces]  # + the EOS CTranslate2 adds
         if forced is not None:
             limits = [guidance_limit(limit, len(prefix)) for limit, prefix in zip(limits, forced)]
+        done = progress or (lambda _count: None)
+        done(len(lines) - len(rows))
         with gpu_failures_named(self.runtime.device):
             outputs = _translate(
-                self.runtime, pieces, limits, decode, forced, deadline=deadline, shortlisted=self.shortlisted
+                self.runtime, pieces, limits, decode, forced, deadline=deadline, shortlisted=self.shortlisted, done=done
             )
         results = [Translation([]) for _ in lines]
         for position, output in enumerate(outputs):
@@ -191,20 +194,24 @@ def _translate(
     *,
     deadline: float | None = None,
     shortlisted: bool = False,
+    done: LinesDone = lambda _count: None,
 ) -> list:
     """CTranslate2's outputs in input order, each with `hypotheses` and `scores`, best first;
-    `shortlisted`: over the model's vocabulary map (the union of a batch's lines' shortlists).
+    `shortlisted`: over the model's vocabulary map (the union of a batch's lines' shortlists); `done`
+    told of each line as all its draws are back.
 
     CTranslate2 runs our search: 2 x beam candidates a step, a hypothesis ends when EOS is among
     the best `beam`, a sentence ends when beam x patience have, and they are ranked by log-probability
     / length^alpha. Its length_penalty 0 would switch to another stopping rule (stop when the best
     beam ends), so `none` runs with a negligible exponent instead. It takes one length limit per call,
     and a beam search run with a larger limit is not the same search (beams our search ends at the
-    limit live on), so sentences go in one call per limit, all submitted at once for the workers.
+    limit live on), so sentences go in calls of one limit and at most decode.batch_tokens tokens.
 
-    A submitted call cannot be taken back, so with a `deadline` the calls go in waves of one batch
-    per worker, and the deadline is checked between waves (and, where CTranslate2 offers it, greedy
-    and sampled decoding stop at the step that passes it)."""
+    Calls are submitted as the workers take them: two per worker in flight, the oldest collected
+    before the next goes in, so that lines are counted done as they finish (submitting all at once
+    blocked until most of the work was done). A submitted call cannot be taken back, so with a
+    `deadline` one call per worker is in flight, and the deadline is checked before each call goes in
+    (and, where CTranslate2 offers it, greedy and sampled decoding stop at the step that passes it)."""
     exponent = _ctranslate2_exponent(decode)
     search = {**_search_options(decode, deadline), "length_penalty": exponent, "use_vmap": shortlisted}
     draws = decode.nbest if decode.sample else 1  # a sampled line goes in nbest times, one draw each
@@ -213,27 +220,32 @@ def _translate(
         by_limit[limit].extend([position] * draws)
     calls = []  # (limit, its members)
     for limit, members in by_limit.items():
-        spans = _spans([len(pieces[position]) + 1 for position in members], decode.batch_tokens if deadline else None)
+        spans = _spans([len(pieces[position]) + 1 for position in members], decode.batch_tokens)
         calls += [(limit, members[start:end]) for start, end in spans]
     finished: list[list] = [[] for _ in pieces]  # per line: (tokens, score) of its hypotheses or draws
-    wave = engine.num_translators if deadline is not None else len(calls)
-    for first in range(0, len(calls), max(wave, 1)):
+    outstanding = [draws] * len(pieces)  # per line: its calls not yet back
+
+    def collect(members: list[int], pending: list) -> None:
+        for position, result in zip(members, pending):
+            output = result.result()
+            finished[position].extend(zip(output.hypotheses, output.scores))
+            outstanding[position] -= 1
+            if not outstanding[position]:
+                done(1)
+
+    in_flight: deque = deque()  # (members, pending results) of the calls submitted and not yet collected
+    window = engine.num_translators * (1 if deadline is not None else 2)
+    for limit, members in calls:
+        if len(in_flight) >= window:
+            collect(*in_flight.popleft())
         _check(deadline)
-        submitted = []
-        for limit, members in calls[first : first + wave]:
-            prefix = {"target_prefix": [prefixes[position] or None for position in members]} if prefixes else {}
-            pending = engine.translate_batch(
-                [pieces[position] for position in members],
-                **prefix,
-                asynchronous=True,
-                **search,
-                max_decoding_length=limit,
-            )
-            submitted.append((members, pending))
-        for members, pending in submitted:
-            for position, result in zip(members, pending):
-                output = result.result()
-                finished[position].extend(zip(output.hypotheses, output.scores))
+        prefix = {"target_prefix": [prefixes[position] or None for position in members]} if prefixes else {}
+        pending = engine.translate_batch(
+            [pieces[position] for position in members], **prefix, asynchronous=True, **search, max_decoding_length=limit
+        )
+        in_flight.append((members, pending))
+    while in_flight:
+        collect(*in_flight.popleft())
     _check(deadline)  # a decoding stopped at the deadline returned part of its output
     return [_ranked(found, decode, limit, exponent) for found, limit in zip(finished, limits)]
 

@@ -14,6 +14,7 @@ work (admission.py), never inside the engine.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -23,6 +24,8 @@ from seq2seq.errors import UserInputError
 
 if TYPE_CHECKING:
     from sentencepiece import SentencePieceProcessor
+
+LinesDone = Callable[[int], object]  # called with a number of lines just translated, e.g. tqdm's update
 
 EXPORT_METADATA = "seq2seq_export.json"  # marks a directory written by `seq2seq export`
 
@@ -72,17 +75,19 @@ class Engine(Protocol):
         self,
         lines: list[str],
         decode: DecodeConfig,
-        progress: bool,
         *,
         prefixes: list[str] | None = None,
         constraints: list[list[str]] | None = None,
         line_numbers: list[int] | None = None,
         deadline: float | None = None,
+        progress: LinesDone | None = None,
     ) -> list[Translation]:
         """`prefixes`: per line, target text the output must start with ("" for none); `constraints`:
         per line, target phrases the output must contain; `line_numbers`: each line's index in its
         file or request (default: its place in `lines`), from which, with the seed, its samples are
-        drawn; `deadline`: a time.monotonic() after which the work stops (DeadlinePassed)."""
+        drawn; `deadline`: a time.monotonic() after which the work stops (DeadlinePassed);
+        `progress`: told how many lines are done as each batch of them is (a progress bar's update),
+        so that a bar moves while a long call runs."""
 
     def score(
         self, sources: list[str], targets: list[str], decode: DecodeConfig, *, deadline: float | None = None

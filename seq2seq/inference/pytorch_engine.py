@@ -13,13 +13,12 @@ from seq2seq.data.sources import normalize
 from seq2seq.data.special_tokens import BOS_ID, EOS_ID
 from seq2seq.data.tokenizer import Tokenizer
 from seq2seq.decoding import DecodeConfig
-from seq2seq.inference.engine import DeadlinePassed, PairScore, Translation
+from seq2seq.inference.engine import DeadlinePassed, LinesDone, PairScore, Translation
 from seq2seq.inference.graphed_decoder import GraphedDecoder, graphs_apply
 from seq2seq.inference.guidance import Guidance
 from seq2seq.inference.search import search
 from seq2seq.inference.shortlist import TargetLists
 from seq2seq.inference.shortlisted_decoder import ShortlistedDecoder
-from seq2seq.progress import progress_bar
 
 
 class PyTorchEngine:
@@ -38,12 +37,12 @@ class PyTorchEngine:
         self,
         lines: list[str],
         decode: DecodeConfig,
-        progress: bool,
         *,
         prefixes: list[str] | None = None,
         constraints: list[list[str]] | None = None,
         line_numbers: list[int] | None = None,
         deadline: float | None = None,
+        progress: LinesDone | None = None,
     ) -> list[Translation]:
         return translate_lines(
             self.model,
@@ -89,7 +88,7 @@ def translate_lines(
     lines: list[str],
     config: DecodeConfig,
     *,
-    progress: bool = False,
+    progress: LinesDone | None = None,
     prefixes: list[str] | None = None,
     constraints: list[list[str]] | None = None,
     line_numbers: list[int] | None = None,
@@ -97,7 +96,7 @@ def translate_lines(
     shortlist: TargetLists | None = None,
 ) -> list[Translation]:
     """Translate many lines at once; output order equals input order. `prefixes` and `constraints`
-    guide the lines that have them; `line_numbers` and `deadline` as engine.Engine.translate; with
+    guide the lines that have them; `line_numbers`, `deadline` and `progress` as engine.Engine.translate; with
     a `shortlist`, each line's output is made of its shortlist's pieces (shortlisted_decoder.py).
 
     On a CUDA GPU our model decodes through CUDA graphs (graphed_decoder.py says why); the outputs
@@ -112,22 +111,22 @@ def translate_lines(
     results: list[Translation] = [Translation([]) for _ in lines]  # an empty line stays empty
     batches = token_batches(lengths, max_tokens=config.batch_tokens)
     numbers = np.asarray(range(len(lines)) if line_numbers is None else line_numbers, dtype=np.int64)[non_empty]
-    with progress_bar(total=len(lines), desc="translate", unit="sent", enabled=progress, leave=False) as bar:
-        bar.update(len(lines) - len(non_empty))
-        for indices in batches:
-            src = pad([encoded[i] for i in indices]).to(device)
-            guides = guidance.subset(indices.tolist())
-            found = search(
-                decoder if shortlist is None else _shortlisted(decoder, shortlist, guides, tokenizer.tgt_vocab_size),
-                src,
-                config,
-                lines=numbers[indices].tolist(),
-                deadline=deadline,
-                guidance=guides,
-            )
-            for index, hyps in zip(non_empty[indices].tolist(), found):
-                results[index] = Translation([(tokenizer.decode_tgt(h.tokens), h.score) for h in hyps])
-            bar.update(len(indices))
+    done = progress or (lambda _count: None)
+    done(len(lines) - len(non_empty))
+    for indices in batches:
+        src = pad([encoded[i] for i in indices]).to(device)
+        guides = guidance.subset(indices.tolist())
+        found = search(
+            decoder if shortlist is None else _shortlisted(decoder, shortlist, guides, tokenizer.tgt_vocab_size),
+            src,
+            config,
+            lines=numbers[indices].tolist(),
+            deadline=deadline,
+            guidance=guides,
+        )
+        for index, hyps in zip(non_empty[indices].tolist(), found):
+            results[index] = Translation([(tokenizer.decode_tgt(h.tokens), h.score) for h in hyps])
+        done(len(indices))
     return results
 
 

@@ -22,7 +22,7 @@ from seq2seq.data.sources import normalize
 from seq2seq.decoding import DecodeConfig, refusals
 from seq2seq.errors import UserInputError
 from seq2seq.inference.admission import LinePlan, Names, plan_scoring, plan_translation, unspellable
-from seq2seq.inference.engine import EXPORT_METADATA, Engine, PairScore, Translation
+from seq2seq.inference.engine import EXPORT_METADATA, Engine, LinesDone, PairScore, Translation
 from seq2seq.inference.glossary import Glossary, merged_constraints
 
 
@@ -225,7 +225,7 @@ class Translator:
         lines: list[str],
         decode: DecodeConfig,
         *,
-        progress: bool = False,
+        progress: LinesDone | None = None,
         prefixes: list[str] | None = None,
         constraints: list[list[str]] | None = None,
         line_numbers: list[int] | None = None,
@@ -237,7 +237,8 @@ class Translator:
         `line_numbers`: each line's index in its file or request (default: its place in `lines`):
         sampled lines draw from a generator of their own, derived from the seed and that index, so
         their samples never depend on the other lines of a call. `deadline`: a time.monotonic() past
-        which the work stops (engine.DeadlinePassed). `names` name the lines in errors."""
+        which the work stops (engine.DeadlinePassed). `progress`: told the number of lines done as each
+        batch is (a progress bar's update). `names` name the lines in errors."""
         for name, given in (("prefixes", prefixes), ("constraints", constraints), ("line_numbers", line_numbers)):
             if given is not None and len(given) != len(lines):
                 raise UserInputError(f"{name}: {len(given)} given for {len(lines)} lines; expected one per line")
@@ -248,11 +249,11 @@ class Translator:
         return self._engine.translate(
             lines,
             decode,
-            progress,
             prefixes=prefixes,
             constraints=constraints,
             line_numbers=line_numbers,
             deadline=deadline,
+            progress=progress,
         )
 
 

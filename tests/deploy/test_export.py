@@ -88,6 +88,19 @@ def test_both_engines_run_one_beam_search(exported_model, settings):
         assert_same_ranking(a.nbest, b.nbest, TieCheck(ours, line, decode))
 
 
+@pytest.mark.parametrize("options", [{"beam": 2}, {"sample": True, "nbest": 2}], ids=["beam", "two-draws"])
+def test_both_engines_tell_the_lines_they_have_done_as_they_go(exported_model, options):
+    """A call reports its lines as batches of them finish (a file's progress bar moves with it), not
+    once at its end: the counts sum to the lines, the empty one too, in many steps."""
+    ours, exported, lines = exported_model
+    decode = ours.settings(batch_tokens=64, **options)
+    for translator in (ours, exported):
+        counts = []
+        translator.translate_with([*lines, ""], decode, progress=counts.append)
+        assert sum(counts) == len(lines) + 1, translator.engine
+        assert len([count for count in counts if count]) >= 5, translator.engine
+
+
 SCORE_RTOL = 1e-3  # the engines' float differences: CTranslate2's search scores differ from ours by ~2e-4
 TIE = 2e-3  # two next-token log-probabilities this close are a tie that float differences may break either way
 
@@ -245,7 +258,7 @@ class TranslatorWithoutCublas:
     """CTranslate2 given a GPU whose cuBLAS it cannot load, as on a lent H100 (CUDA 13, no CUDA 12
     libcublas): the model loads, and its first product fails."""
 
-    device = "cuda"
+    device, num_translators = "cuda", 1
 
     def __getattr__(self, name):
         def fail(*args, **kwargs):

@@ -356,7 +356,7 @@ class StalledEngine:
     def __init__(self, *, fail: bool = False) -> None:
         self.release, self.entered, self.fail, self.calls = threading.Event(), threading.Event(), fail, 0
 
-    def translate(self, lines, decode, progress, **guidance):
+    def translate(self, lines, decode, **guidance):
         self.calls += 1
         self.entered.set()
         if self.fail:

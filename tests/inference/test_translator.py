@@ -59,6 +59,40 @@ def test_a_file_samples_alike_whatever_its_chunking(trained_checkpoint, tmp_path
     ]
 
 
+def test_a_files_progress_bar_moves_batch_by_batch(trained_checkpoint, tmp_path, monkeypatch):
+    """`seq2seq translate`'s bar counts the lines of each batch as it finishes; it stood at 0 until a
+    whole chunk (up to 10,000 lines, minutes of a large model's beam search) was done."""
+    from typer.testing import CliRunner
+
+    from seq2seq.cli import file_translation as file_translation
+    from seq2seq.cli.main import app
+
+    class RecordingBar:
+        updates: list[int] = []
+
+        def __init__(self, **options) -> None:
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exception) -> None:
+            pass
+
+        def update(self, count: int) -> None:
+            self.updates.append(count)
+
+    monkeypatch.setattr(file_translation, "progress_bar", RecordingBar)
+    path, data = trained_checkpoint
+    source = tmp_path / "in.en"
+    source.write_text("\n".join([*(data / "test.en").read_text().splitlines()[:30], ""]) + "\n")
+    command = ["translate", "-c", str(path), "-i", str(source), "--set", "decode.batch_tokens=64"]
+    result = CliRunner().invoke(app, command, catch_exceptions=False)
+    assert result.exit_code == 0 and len(result.stdout.splitlines()) == 31
+    assert sum(RecordingBar.updates) == 31  # the empty line too
+    assert len([count for count in RecordingBar.updates if count]) >= 5
+
+
 UNSPELLABLE = "\ua66e\ua66e"  # ꙮꙮ: a script the tiny model's vocabulary never saw
 
 
