@@ -194,7 +194,7 @@ def _translate(
     *,
     deadline: float | None = None,
     shortlisted: bool = False,
-    done: LinesDone = lambda _count: None,
+    done: LinesDone,
 ) -> list:
     """CTranslate2's outputs in input order, each with `hypotheses` and `scores`, best first;
     `shortlisted`: over the model's vocabulary map (the union of a batch's lines' shortlists); `done`
