@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from seq2seq.config import Config, config_differences, is_run_defining
+from seq2seq.config import Config, run_defining_differences
 from seq2seq.config_files import config_from_dict
 from seq2seq.data.tokenizer import Tokenizer
 from seq2seq.errors import UserInputError
@@ -65,6 +65,7 @@ class Checkpoint:
     averaged_from: list[str] = field(default_factory=list)  # set by `seq2seq average`
     ema: dict[str, Tensor] = field(default_factory=dict)  # train.ema_decay's weight average, to resume it
     weights: str = "trained"  # what `model` holds: "trained", "ema" or "average" (best.pt: which validated best)
+    train_data: str = ""  # the digest of the training pairs (EncodedCorpus.digest): a resumed run must have them
 
     def to_state(self) -> dict[str, Any]:
         """Plain data and tensors only, so that loading never needs to unpickle an object."""
@@ -84,6 +85,7 @@ class Checkpoint:
             "averaged_from": self.averaged_from,
             "ema": self.ema,
             "weights": self.weights,
+            "train_data": self.train_data,
         }
 
     @classmethod
@@ -114,6 +116,7 @@ class Checkpoint:
             averaged_from=list(state.get("averaged_from", [])),
             ema=dict(state.get("ema", {})),
             weights=str(state.get("weights", "trained")),
+            train_data=str(state.get("train_data", "")),
         )
 
     def save(self, path: str | Path) -> None:
@@ -226,7 +229,8 @@ def average_checkpoints(paths: list[Path], output: Path) -> None:
     checkpoints = [Checkpoint.load(path) for path in paths]
     first = checkpoints[0]
     for path, checkpoint in zip(paths[1:], checkpoints[1:]):
-        differing = [key for key in config_differences(first.config, checkpoint.config) if is_run_defining(key)]
+        same_pairs = bool(first.train_data) and checkpoint.train_data == first.train_data
+        differing = run_defining_differences(first.config, checkpoint.config, pairs_compared=same_pairs)
         if differing:
             raise UserInputError(
                 f"{path}: {', '.join(differing)} differ from {paths[0]}'s; average checkpoints "

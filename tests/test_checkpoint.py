@@ -41,6 +41,7 @@ def test_state_round_trip_keeps_every_field(two_checkpoints):
     assert again.tokenizer.protos() == checkpoint.tokenizer.protos()
     assert all(torch.equal(again.model[name], tensor) for name, tensor in checkpoint.model.items())
     assert all(torch.equal(a, b) for a, b in zip(again.rng.torch, checkpoint.rng.torch))
+    assert again.train_data == checkpoint.train_data and len(checkpoint.train_data) == 64  # a sha256
 
 
 def test_checkpoint_loading_refuses_pickled_code(tmp_path):
@@ -93,6 +94,20 @@ def test_average_of_checkpoints_is_the_parameter_mean(tmp_path, two_checkpoints)
     assert averaged.averaged_from == [str(first), str(second)]
     assert dataclasses.replace(averaged.progress) == Checkpoint.load(second).progress
     load_for_inference(tmp_path / "avg.pt")  # still a complete checkpoint
+
+
+def test_averaging_accepts_moved_data_that_holds_the_same_pairs_only(tmp_path, two_checkpoints):
+    """A run resumed after its corpus moved: its checkpoints name other files but record the same pairs."""
+    first, second = (Checkpoint.load(path) for path in two_checkpoints)
+    moved_data = dataclasses.replace(second.config.data, train=dataclasses.replace(second.config.data.train, src="x"))
+    moved = tmp_path / "moved.pt"
+    dataclasses.replace(second, config=dataclasses.replace(second.config, data=moved_data)).save(moved)
+    average_checkpoints([two_checkpoints[0], moved], tmp_path / "avg.pt")
+    other = tmp_path / "other.pt"
+    dataclasses.replace(Checkpoint.load(moved), train_data="0" * 64).save(other)
+    with pytest.raises(UserInputError, match=rf"{other}: data.train.src differ from"):
+        average_checkpoints([two_checkpoints[0], other], tmp_path / "avg2.pt")
+    assert not (tmp_path / "avg2.pt").exists()
 
 
 def test_averaging_refuses_the_same_weights_twice(tmp_path, two_checkpoints):

@@ -19,7 +19,7 @@ from pathlib import Path
 import yaml
 
 from seq2seq.checkpoint import numbered_checkpoints
-from seq2seq.config import Config, config_differences, is_run_defining
+from seq2seq.config import Config, config_differences, run_defining_differences
 from seq2seq.data.prepare import TrainingData, prepare_training_data, read_split, stream_split
 from seq2seq.data.sources import corpus_identity
 from seq2seq.data.tokenizer import Tokenizer, load_or_train_tokenizer, saved_tokenizer_exists
@@ -96,11 +96,13 @@ class RunDir:
         return numbered_checkpoints(self.checkpoints)[-1]
 
 
-def check_resumable(stored: Config, given: Config, run_dir: RunDir) -> list[str]:
+def check_resumable(stored: Config, given: Config, run_dir: RunDir, *, data_recorded: bool) -> list[str]:
     """A resumed run keeps what it trains (RUN_DEFINING_KEYS); other keys may change: one line for each
-    that did, for the trainer to log once it holds the run directory (its train.log is then its own)."""
+    that did, for the trainer to log once it holds the run directory (its train.log is then its own).
+    Where the checkpoint recorded its training pairs (`data_recorded`), data.train may name other files,
+    a moved corpus: prepare_run then checks that they hold the same pairs."""
     differences = config_differences(stored, given)
-    fixed = [key for key in differences if is_run_defining(key)]
+    fixed = run_defining_differences(stored, given, pairs_compared=data_recorded)
     if fixed:
         lines = [
             f"--resume {run_dir.root}: {key}: {differences[key][0]!r} in the run, {differences[key][1]!r} given; "
@@ -111,6 +113,17 @@ def check_resumable(stored: Config, given: Config, run_dir: RunDir) -> list[str]
     return [f"resume: {key} changed from {before!r} to {after!r}" for key, (before, after) in differences.items()]
 
 
+def check_same_pairs(data: TrainingData, recorded: str, config: Config) -> None:
+    """A resumed run trains on the pairs its checkpoint recorded (EncodedCorpus.digest), or not at all:
+    other pairs would change the batch order and every update from here on, silently."""
+    if data.train.digest() != recorded:
+        raise UserInputError(
+            f"data.train ({_corpus_name(config)}): its {len(data.train)} training pairs are not those this run "
+            "trained on (their ids differ); a resumed run must keep its data: give it the run's files back, or "
+            "start a new run with --run-dir"
+        )
+
+
 def prepare_run(
     config: Config,
     run_dir: RunDir,
@@ -118,19 +131,24 @@ def prepare_run(
     held: contextlib.ExitStack,
     *,
     tokenizer: Tokenizer | None = None,
+    trained_on: str = "",
     progress: bool = False,
 ) -> tuple[Tokenizer, TrainingData]:
-    """Write config.yaml, train or reuse the tokenizer (a resumed run passes its checkpoint's) and
-    encode the data: rank 0 first, then the other ranks reuse its tokenizer and encoding cache. The
+    """Train or reuse the tokenizer (a resumed run passes its checkpoint's), encode the data, then write
+    config.yaml: rank 0 first, then the other ranks reuse its tokenizer and encoding cache. The
     validation split is read first: a problem in it shows before the long work, and before the run
-    directory is made. Rank 0 holds the directory (RunDir.held) until `held` closes."""
+    directory is made; a run refused for its training data leaves no config.yaml. A resumed run passes
+    the digest of its pairs (`trained_on`), which the data must match. Rank 0 holds the directory
+    (RunDir.held) until `held` closes."""
     valid_text = read_split(config.data, "valid")
     if dist.is_main:
         held.enter_context(run_dir.held())
         run_dir.remove_stale_temporaries()
-        write_text_atomic(run_dir.config_file, yaml.safe_dump(config.to_dict(), sort_keys=False))
         tokenizer = tokenizer or _load_or_train_tokenizer(config, run_dir, progress)
         data = prepare_training_data(config.data, tokenizer, valid_text, progress=progress, seed=config.train.seed)
+        if trained_on:
+            check_same_pairs(data, trained_on, config)
+        write_text_atomic(run_dir.config_file, yaml.safe_dump(config.to_dict(), sort_keys=False))
     dist.barrier()
     if not dist.is_main:
         tokenizer = tokenizer or Tokenizer.load(run_dir.tokenizer)
@@ -150,8 +168,12 @@ def _load_or_train_tokenizer(config: Config, run_dir: RunDir, progress: bool) ->
     # read only if a tokenizer has to be trained
     pairs = with_progress(stream_split(config.data, "train"), "tokenizer: read data.train", enabled=progress)
     data = {"langs": [config.data.src_lang, config.data.tgt_lang], **corpus_identity(config.data.train, "data.train")}
-    train = config.data.train
-    name = f"data.train ({', '.join(train.files().values()) or train.name})"
+    name = f"data.train ({_corpus_name(config)})"
     return load_or_train_tokenizer(
         run_dir.tokenizer, config.tokenizer, pairs, seed=config.train.seed, data_identity=data, data_name=name
     )
+
+
+def _corpus_name(config: Config) -> str:
+    train = config.data.train
+    return ", ".join(train.files().values()) or str(train.name)

@@ -89,7 +89,11 @@ class Trainer:
         self.precision_reason = choice.reason
         tc = dataclasses.replace(tc, precision=self.dist.broadcast(choice.precision))
         self.config = config = dataclasses.replace(config, train=tc)
-        self._resume_changes = check_resumable(resumed.config, config, self.run_dir) if resumed else []
+        self._resume_changes = (
+            check_resumable(resumed.config, config, self.run_dir, data_recorded=bool(resumed.train_data))
+            if resumed
+            else []
+        )
         self._held = contextlib.ExitStack()  # RUN_DIR/train.log and the run directory's lock, until run() ends
         if self.dist.is_main:
             self._held.enter_context(log_to_file(self.run_dir.log))
@@ -109,7 +113,10 @@ class Trainer:
             self._held,
             progress=self.show_progress,
             tokenizer=resumed.tokenizer if resumed else None,
+            trained_on=resumed.train_data if resumed else "",
         )
+        # what the checkpoints record as this run's pairs (checked by prepare_run where a resumed run had it)
+        self.train_data = (resumed and resumed.train_data) or (self.data.train.digest() if self.dist.is_main else "")
         self.model = build_model(config.model, self.tokenizer).to(self.device)
         if self.dist.enabled:  # same initial weights everywhere (DDP also broadcasts them); own dropout streams
             torch.manual_seed(tc.seed + 7919 * self.dist.rank)
@@ -373,6 +380,7 @@ class Trainer:
             progress=dataclasses.replace(self.progress),
             rng=RngStates(rng_states, torch.cuda.get_rng_state_all()),
             ema=self.ema.state_dict() if self.ema is not None else {},
+            train_data=self.train_data,
         )
 
     def _save(self) -> None:

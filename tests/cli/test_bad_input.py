@@ -256,7 +256,7 @@ CASES = {
         lambda w: ["train", w.config, "--set", f"data.train.src={w.empty}", "--set", f"data.train.tgt={w.empty}",
                    "--run-dir", w.root / "r-empty"],
         lambda w: [f"data.train ({w.empty}, {w.empty}): no sentence pair with text on both sides"],
-        not_created=lambda w: [w.root / "r-empty" / "checkpoints"]),
+        not_created=lambda w: [w.root / "r-empty" / "checkpoints", w.root / "r-empty" / "config.yaml"]),
     "train with a negative seed": Case(lambda w: ["train", w.config, "--run-dir", w.root / "r-seed", "--set",
                                                   "train.seed=-5"],
                                        lambda w: ["--set train.seed: expected an integer in [0, 4294967296), got -5"],
@@ -267,6 +267,10 @@ CASES = {
     "train --resume with a changed model": Case(
         lambda w: ["train", w.config, "--resume", w.run, "--set", "model.d_model=64"],
         lambda w: [f"--resume {w.run}", "model.d_model", "96 in the run, 64 given"]),
+    "train --resume on other pairs": Case(
+        lambda w: ["train", w.config, "--resume", w.run, "--set", f"data.train.tgt={w.data / 'train.en'}"],
+        lambda w: [f"data.train ({w.data / 'train.en'}, {w.data / 'train.en'})",
+                   "training pairs are not those this run trained on"]),
     "tokenizer train with a missing data file": Case(
         lambda w: ["tokenizer", "train", w.config, "--set", f"data.train.src={w.missing}", "--run-dir", w.root / "t"],
         lambda w: ["data.train.src", "file not found", str(w.missing)], not_created=lambda w: [w.root / "t"]),

@@ -3,12 +3,15 @@ stop rules, skipped updates, no host reads per step, mixed precision behaves."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import shutil
 
 import pytest
 import torch
 
+from seq2seq.checkpoint import Checkpoint
 from seq2seq.config_files import config_from_dict
 from seq2seq.errors import UserInputError
 from seq2seq.training.trainer import Trainer
@@ -127,6 +130,49 @@ def test_a_resumed_run_records_what_changed_in_its_train_log(tmp_path, tiny_data
     raw = tiny_config_dict(tiny_data, max_steps=4, save_every=2, valid_every=100)
     Trainer(config_from_dict(raw, origin="test"), tmp_path / "run", resume=True, show_progress=False).run()
     assert "resume: train.max_steps changed from 2 to 4" in (tmp_path / "run" / "train.log").read_text()
+
+
+def test_a_run_resumes_on_its_pairs_moved_or_reformatted_and_refuses_other_pairs(tmp_path, tiny_data, caplog):
+    """data.train's files may move (another machine, another mount) or change format: the resumed run
+    holds the same pairs and is the uninterrupted one. Other pairs, even at the run's own paths, are
+    refused, and the run's config.yaml is left as it was."""
+    caplog.set_level(logging.INFO, logger="seq2seq")
+    settings = dict(max_steps=4, save_every=2, valid_every=100)
+    make_trainer(tmp_path, tiny_data, "straight", **settings).run()
+    make_trainer(tmp_path, tiny_data, "moved", **{**settings, "max_steps": 2}).run()
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(tiny_data, elsewhere)
+    lines = [(tiny_data / f"train.{lang}").read_text().splitlines() for lang in ("en", "xx")]
+    (elsewhere / "train.tsv").write_text("".join(f"{src}\t{tgt}\n" for src, tgt in zip(*lines)))
+    raw = tiny_config_dict(elsewhere, **settings)
+    raw["data"]["train"] = {"format": "tsv", "path": str(elsewhere / "train.tsv")}
+    Trainer(config_from_dict(raw, origin="test"), tmp_path / "moved", resume=True, show_progress=False).run()
+    ours = Checkpoint.load(tmp_path / "moved" / "checkpoints" / "last.pt")
+    theirs = Checkpoint.load(tmp_path / "straight" / "checkpoints" / "last.pt")
+    assert ours.progress.step == theirs.progress.step == 4
+    for name, tensor in theirs.model.items():
+        assert torch.equal(ours.model[name], tensor), name
+    assert "resume: data.train.format changed from 'text' to 'tsv'" in (tmp_path / "moved" / "train.log").read_text()
+
+    (tiny_data / "train.xx").write_text("\n".join(["another target", *lines[1][1:]]) + "\n")  # one pair changed
+    config_yaml = (tmp_path / "straight" / "config.yaml").read_bytes()
+    raw = tiny_config_dict(tiny_data, **{**settings, "max_steps": 6})
+    with pytest.raises(UserInputError, match=r"data.train \(.*train.en, .*train.xx\): its 3000 training pairs are not"):
+        Trainer(config_from_dict(raw, origin="test"), tmp_path / "straight", resume=True, show_progress=False)
+    assert (tmp_path / "straight" / "config.yaml").read_bytes() == config_yaml
+
+
+def test_a_checkpoint_that_did_not_record_its_pairs_keeps_its_data_paths(tmp_path, tiny_data):
+    """Written before checkpoints recorded their pairs: nothing shows that moved files hold the same
+    pairs, so data.train stays as it was (the rule before)."""
+    make_trainer(tmp_path, tiny_data, max_steps=2, save_every=2, valid_every=100).run()
+    (numbered,) = (tmp_path / "run" / "checkpoints").glob("step_*.pt")
+    dataclasses.replace(Checkpoint.load(numbered), train_data="").save(numbered)
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(tiny_data, elsewhere)
+    raw = tiny_config_dict(elsewhere, max_steps=4)
+    with pytest.raises(UserInputError, match="data.train.src: .* a resumed run must keep it"):
+        Trainer(config_from_dict(raw, origin="test"), tmp_path / "run", resume=True, show_progress=False)
 
 
 def test_non_finite_steps_are_skipped_and_too_many_stop_with_a_message(tmp_path, tiny_data, monkeypatch):
