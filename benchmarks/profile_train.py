@@ -67,8 +67,8 @@ def profile_size(args) -> list[str]:
         train_step(model, optimizer, scaler, [batch], update_tokens=batch.num_tokens, lr=1e-4,
                    config=config.train, forward=forward, working=working)  # fmt: skip
 
-    warmup, timed, profiled = (batches[: args.warmup], batches[args.warmup : -args.profile_steps],
-                               batches[-args.profile_steps :])  # fmt: skip
+    profile_from = args.warmup + args.steps
+    warmup, timed, profiled = batches[: args.warmup], batches[args.warmup : profile_from], batches[profile_from:]
     for batch in warmup:
         step(batch)
     synchronize()
@@ -138,6 +138,8 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rows", type=int, default=15, help="rows of each table of ops")
     args = parser.parse_args()
+    if args.steps < 1 or args.profile_steps < 1:
+        parser.error("--steps and --profile-steps: expected at least 1 (the census counts the profiled steps)")
     args.set = []
     torch.set_num_threads(args.threads)
     sizes = args.max_tokens

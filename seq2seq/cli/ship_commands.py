@@ -182,7 +182,7 @@ def average(
 
     check_new_file(output, what="output checkpoint")  # -o naming one of the checkpoints would replace it
     average_checkpoints(checkpoints, output)
-    typer.echo(f"averaged {len(checkpoints)} checkpoints -> {output}")
+    typer.echo(f"averaged {len(checkpoints)} checkpoint{'s' if len(checkpoints) > 1 else ''} -> {output}")
 
 
 @app.command()

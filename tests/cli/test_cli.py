@@ -220,6 +220,9 @@ def test_average_plot_and_attention_plot(trained_run, tmp_path):
     steps = sorted((run_dir / "checkpoints").glob("step_*.pt"))
     result = invoke("average", *steps, "-o", tmp_path / "avg.pt")
     assert result.exit_code == 0, result.output
+    assert result.stdout == f"averaged {len(steps)} checkpoints -> {tmp_path / 'avg.pt'}\n" and len(steps) > 1
+    result = invoke("average", steps[0], "-o", tmp_path / "one.pt")
+    assert result.stdout == f"averaged 1 checkpoint -> {tmp_path / 'one.pt'}\n"
     result = invoke("plot", run_dir)
     assert result.exit_code == 0, result.output
     for name in ("loss", "bleu", "lr", "memory"):
