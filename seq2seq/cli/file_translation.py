@@ -190,11 +190,11 @@ def score_file(
         _output(output) as sink,
         progress_bar(total=counts[0], desc="score", unit="pair", enabled=output != "-") as bar,
     ):
-        for chunk in pairs:
-            for pair in translator.score_with([s for s, _ in chunk], [t for _, t in chunk], decode):
+        for chunk in pairs:  # the bar moves batch by batch: a chunk is up to FILE_CHUNK_LINES pairs
+            scored = translator.score_with([s for s, _ in chunk], [t for _, t in chunk], decode, progress=bar.update)
+            for pair in scored:
                 extra = "\t" + " ".join(f"{value:.4f}" for value in pair.log_probs) if per_token else ""
                 sink.write(f"{pair.score:.4f}\t{pair.log_prob:.4f}\t{len(pair.log_probs)}{extra}\n")
-            bar.update(len(chunk))
 
 
 @contextlib.contextmanager

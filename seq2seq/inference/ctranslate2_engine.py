@@ -25,8 +25,10 @@ import os
 import re
 import time
 from collections import defaultdict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import ctranslate2
 import sentencepiece as spm
@@ -158,23 +160,42 @@ class CTranslate2Engine:
         return results
 
     def score(
-        self, sources: list[str], targets: list[str], decode: DecodeConfig, *, deadline: float | None = None
+        self,
+        sources: list[str],
+        targets: list[str],
+        decode: DecodeConfig,
+        *,
+        deadline: float | None = None,
+        progress: LinesDone | None = None,
     ) -> list[PairScore]:
         """CTranslate2's score_batch: the log-probability of each target piece and of the EOS after
-        them (`deadline`: checked between batches of decode.batch_tokens tokens)."""
+        them. The pairs go in by length, in calls of at most decode.batch_tokens tokens (as score_batch
+        would cut one call of them all), so that `progress` hears of each call's pairs as it returns and
+        `deadline` is checked between calls (_submitted)."""
         src = self.src.encode([normalize(line) for line in sources], out_type=str)
         tgt = self.tgt.encode([normalize(line) for line in targets], out_type=str)
-        results = []
-        for start, end in _spans([len(line) + 1 for line in src], decode.batch_tokens if deadline else None):
-            _check(deadline)
-            with gpu_failures_named(self.runtime.device):
-                results += self.runtime.score_batch(
-                    src[start:end],
-                    tgt[start:end],
-                    max_batch_size=decode.batch_tokens,
-                    batch_type="tokens",
-                    max_input_length=0,
-                )
+        by_length = sorted(range(len(src)), key=lambda index: (len(src[index]), len(tgt[index])))
+        spans = _spans([len(src[index]) + len(tgt[index]) + 2 for index in by_length], decode.batch_tokens)
+        results: list = [None] * len(src)
+        done = progress or (lambda _count: None)
+
+        def submit(members: list[int]) -> list:
+            return self.runtime.score_batch(
+                [src[index] for index in members],
+                [tgt[index] for index in members],
+                max_batch_size=decode.batch_tokens,
+                batch_type="tokens",
+                max_input_length=0,
+                asynchronous=True,
+            )
+
+        def collect(members: list[int], pending: list) -> None:
+            for index, result in zip(members, pending):
+                results[index] = result.result()
+            done(len(members))
+
+        with gpu_failures_named(self.runtime.device):
+            _submitted(self.runtime, [by_length[start:end] for start, end in spans], submit, collect, deadline)
         return [
             PairScore(
                 [*pieces, "</s>"],
@@ -207,11 +228,8 @@ def _translate(
     and a beam search run with a larger limit is not the same search (beams our search ends at the
     limit live on), so sentences go in calls of one limit and at most decode.batch_tokens tokens.
 
-    Calls are submitted as the workers take them: two per worker in flight, the oldest collected
-    before the next goes in, so that lines are counted done as they finish (submitting all at once
-    blocked until most of the work was done). A submitted call cannot be taken back, so with a
-    `deadline` one call per worker is in flight, and the deadline is checked before each call goes in
-    (and, where CTranslate2 offers it, greedy and sampled decoding stop at the step that passes it)."""
+    Calls go in as the workers take them (_submitted); where CTranslate2 offers it, greedy and
+    sampled decoding also stop at the step that passes the `deadline`."""
     exponent = _ctranslate2_exponent(decode)
     search = {**_search_options(decode, deadline), "length_penalty": exponent, "use_vmap": shortlisted}
     draws = decode.nbest if decode.sample else 1  # a sampled line goes in nbest times, one draw each
@@ -225,29 +243,43 @@ def _translate(
     finished: list[list] = [[] for _ in pieces]  # per line: (tokens, score) of its hypotheses or draws
     outstanding = [draws] * len(pieces)  # per line: its calls not yet back
 
-    def collect(members: list[int], pending: list) -> None:
-        for position, result in zip(members, pending):
+    def submit(call: tuple[int, list[int]]) -> list:
+        limit, members = call
+        prefix = {"target_prefix": [prefixes[position] or None for position in members]} if prefixes else {}
+        return engine.translate_batch(
+            [pieces[position] for position in members], **prefix, asynchronous=True, **search, max_decoding_length=limit
+        )
+
+    def collect(call: tuple[int, list[int]], pending: list) -> None:
+        for position, result in zip(call[1], pending):
             output = result.result()
             finished[position].extend(zip(output.hypotheses, output.scores))
             outstanding[position] -= 1
             if not outstanding[position]:
                 done(1)
 
-    in_flight: deque = deque()  # (members, pending results) of the calls submitted and not yet collected
+    _submitted(engine, calls, submit, collect, deadline)
+    return [_ranked(found, decode, limit, exponent) for found, limit in zip(finished, limits)]
+
+
+def _submitted(engine, calls: list, submit: Callable[[Any], list], collect: Callable[[Any, list], None],
+               deadline: float | None) -> None:  # fmt: skip
+    """Each call submitted (asynchronously) as CTranslate2's workers take them and collected, oldest
+    first: two per worker in flight, the oldest collected before the next goes in, so that work is
+    counted done as it finishes (submitting all at once blocked until most of it was done). A
+    submitted call cannot be taken back, so with a `deadline` one call per worker is in flight, and
+    the deadline is checked before each call goes in and once all are back (a decoding stopped at it
+    returned part of its output)."""
+    in_flight: deque = deque()  # (call, its pending results), submitted and not yet collected
     window = engine.num_translators * (1 if deadline is not None else 2)
-    for limit, members in calls:
+    for call in calls:
         if len(in_flight) >= window:
             collect(*in_flight.popleft())
         _check(deadline)
-        prefix = {"target_prefix": [prefixes[position] or None for position in members]} if prefixes else {}
-        pending = engine.translate_batch(
-            [pieces[position] for position in members], **prefix, asynchronous=True, **search, max_decoding_length=limit
-        )
-        in_flight.append((members, pending))
+        in_flight.append((call, submit(call)))
     while in_flight:
         collect(*in_flight.popleft())
-    _check(deadline)  # a decoding stopped at the deadline returned part of its output
-    return [_ranked(found, decode, limit, exponent) for found, limit in zip(finished, limits)]
+    _check(deadline)
 
 
 def _search_options(decode: DecodeConfig, deadline: float | None) -> dict:

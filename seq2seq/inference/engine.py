@@ -90,9 +90,16 @@ class Engine(Protocol):
         so that a bar moves while a long call runs."""
 
     def score(
-        self, sources: list[str], targets: list[str], decode: DecodeConfig, *, deadline: float | None = None
+        self,
+        sources: list[str],
+        targets: list[str],
+        decode: DecodeConfig,
+        *,
+        deadline: float | None = None,
+        progress: LinesDone | None = None,
     ) -> list[PairScore]:
-        """Each target's log-probabilities given its source (length normalisation from `decode`)."""
+        """Each target's log-probabilities given its source (length normalisation from `decode`);
+        `deadline` and `progress` (pairs done) as for translate."""
 
 
 def read_export_metadata(directory: Path) -> dict:

@@ -59,7 +59,13 @@ class PyTorchEngine:
 
     @torch.no_grad()
     def score(
-        self, sources: list[str], targets: list[str], decode: DecodeConfig, *, deadline: float | None = None
+        self,
+        sources: list[str],
+        targets: list[str],
+        decode: DecodeConfig,
+        *,
+        deadline: float | None = None,
+        progress: LinesDone | None = None,
     ) -> list[PairScore]:
         """Teacher forcing in token-budgeted batches: the log-probability of each target piece and of
         the EOS after them, as search computes them for its own outputs."""
@@ -79,6 +85,8 @@ class PyTorchEngine:
                 values = log_probs[row, : len(tgt_ids[index]) + 1].tolist()
                 pieces = [*self.tokenizer.tgt_pieces(tgt_ids[index]), "</s>"]
                 scores[index] = PairScore(pieces, values, decode.normalized_score(sum(values), len(values)))
+            if progress is not None:
+                progress(len(indices))
         return scores
 
 

@@ -211,14 +211,20 @@ class Translator:
         return self.score_with(_text_list(sources, "sources"), _text_list(targets, "targets"), self.settings(**options))
 
     def score_with(
-        self, sources: list[str], targets: list[str], decode: DecodeConfig, *, deadline: float | None = None
+        self,
+        sources: list[str],
+        targets: list[str],
+        decode: DecodeConfig,
+        *,
+        deadline: float | None = None,
+        progress: LinesDone | None = None,
     ) -> list[PairScore]:
         """Score with a complete decode config (overrides already applied); a pair the model cannot
-        place whole is refused, never scored in part."""
+        place whole is refused, never scored in part. `progress`: told the pairs done as each batch is."""
         if len(sources) != len(targets):
             raise UserInputError(f"{len(sources)} sources but {len(targets)} targets; expected equal counts")
         self.plan_scoring(sources, targets)
-        return self._engine.score(sources, targets, decode, deadline=deadline)
+        return self._engine.score(sources, targets, decode, deadline=deadline, progress=progress)
 
     def translate_with(
         self,

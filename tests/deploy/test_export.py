@@ -401,6 +401,24 @@ def test_both_engines_score_given_pairs_alike(exported_model, trained_checkpoint
         assert b.score == pytest.approx(a.score, abs=1e-3)
 
 
+def test_both_engines_tell_the_pairs_they_have_scored_as_they_go(exported_model, trained_checkpoint):
+    """Scored in many batches, each engine reports them as they finish (score-pairs' bar moves with
+    them), and the pairs come back in input order, scored alike."""
+    ours, exported, lines = exported_model
+    references = (trained_checkpoint[1] / "test.xx").read_text(encoding="utf-8").splitlines()
+    decode = ours.settings(batch_tokens=64)
+    scored = []
+    for translator in (ours, exported):
+        counts = []
+        scored.append(translator.score_with(lines, references, decode, progress=counts.append))
+        assert sum(counts) == len(lines), translator.engine
+        assert len([count for count in counts if count]) >= 5, translator.engine
+    mine, theirs = scored
+    assert [a.pieces for a in mine] == [b.pieces for b in theirs]
+    for a, b in zip(mine, theirs):
+        np.testing.assert_allclose(b.log_probs, a.log_probs, atol=2e-3)
+
+
 @pytest.mark.parametrize("settings", [{}, {"beam": 1}, {"nbest": 3}], ids=["beam-5", "greedy", "nbest-3"])
 def test_both_engines_continue_a_prefix_alike(exported_model, trained_checkpoint, settings):
     """Each line's reference cut after its first words, and some lines without: both engines keep the

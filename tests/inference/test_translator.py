@@ -59,9 +59,10 @@ def test_a_file_samples_alike_whatever_its_chunking(trained_checkpoint, tmp_path
     ]
 
 
-def test_a_files_progress_bar_moves_batch_by_batch(trained_checkpoint, tmp_path, monkeypatch):
-    """`seq2seq translate`'s bar counts the lines of each batch as it finishes; it stood at 0 until a
-    whole chunk (up to 10,000 lines, minutes of a large model's beam search) was done."""
+@pytest.mark.parametrize("command", ["translate", "score-pairs"])
+def test_a_files_progress_bar_moves_batch_by_batch(trained_checkpoint, tmp_path, monkeypatch, command):
+    """`seq2seq translate`'s and `score-pairs`' bars count the lines of each batch as it finishes; they
+    stood at 0 until a whole chunk (up to 10,000 lines, minutes of a large model's beam search) was done."""
     from typer.testing import CliRunner
 
     from seq2seq.cli import file_translation as file_translation
@@ -86,8 +87,11 @@ def test_a_files_progress_bar_moves_batch_by_batch(trained_checkpoint, tmp_path,
     path, data = trained_checkpoint
     source = tmp_path / "in.en"
     source.write_text("\n".join([*(data / "test.en").read_text().splitlines()[:30], ""]) + "\n")
-    command = ["translate", "-c", str(path), "-i", str(source), "--set", "decode.batch_tokens=64"]
-    result = CliRunner().invoke(app, command, catch_exceptions=False)
+    target = tmp_path / "in.xx"
+    target.write_text("\n".join([*(data / "test.xx").read_text().splitlines()[:30], ""]) + "\n")
+    inputs = ["-i", str(source)] if command == "translate" else ["--src", str(source), "--tgt", str(target)]
+    arguments = [command, "-c", str(path), *inputs, "--set", "decode.batch_tokens=64"]
+    result = CliRunner().invoke(app, arguments, catch_exceptions=False)
     assert result.exit_code == 0 and len(result.stdout.splitlines()) == 31
     assert sum(RecordingBar.updates) == 31  # the empty line too
     assert len([count for count in RecordingBar.updates if count]) >= 5
