@@ -65,7 +65,7 @@ class Checkpoint:
     averaged_from: list[str] = field(default_factory=list)  # set by `seq2seq average`
     ema: dict[str, Tensor] = field(default_factory=dict)  # train.ema_decay's weight average, to resume it
     weights: str = "trained"  # what `model` holds: "trained", "ema" or "average" (best.pt: which validated best)
-    train_data: str = ""  # the digest of the training pairs (EncodedCorpus.digest): a resumed run must have them
+    train_data: str = ""  # the digest of the training text (prepare.TrainingData.text_digest): a resume keeps it
 
     def to_state(self) -> dict[str, Any]:
         """Plain data and tensors only, so that loading never needs to unpickle an object."""
@@ -229,8 +229,8 @@ def average_checkpoints(paths: list[Path], output: Path) -> None:
     checkpoints = [Checkpoint.load(path) for path in paths]
     first = checkpoints[0]
     for path, checkpoint in zip(paths[1:], checkpoints[1:]):
-        same_pairs = bool(first.train_data) and checkpoint.train_data == first.train_data
-        differing = run_defining_differences(first.config, checkpoint.config, pairs_compared=same_pairs)
+        same_text = bool(first.train_data) and checkpoint.train_data == first.train_data
+        differing = run_defining_differences(first.config, checkpoint.config, text_compared=same_text)
         if differing:
             raise UserInputError(
                 f"{path}: {', '.join(differing)} differ from {paths[0]}'s; average checkpoints "

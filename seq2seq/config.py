@@ -318,15 +318,15 @@ def config_differences(first: Config, second: Config) -> dict[str, tuple[Any, An
     }
 
 
-def run_defining_differences(first: Config, second: Config, *, pairs_compared: bool = False) -> list[str]:
-    """The run-defining keys whose values differ. With `pairs_compared` (the training pairs' digests are
+def run_defining_differences(first: Config, second: Config, *, text_compared: bool = False) -> list[str]:
+    """The run-defining keys whose values differ. With `text_compared` (the training text's digests are
     compared instead, checkpoint.train_data), data.train's own keys may differ: a corpus that moved, or
     the same pairs in another format."""
     return [
         key
         for key in config_differences(first, second)
         if any(key == prefix or key.startswith(prefix + ".") for prefix in RUN_DEFINING_KEYS)
-        and not (pairs_compared and key.startswith("data.train."))
+        and not (text_compared and key.startswith("data.train."))
     ]
 
 

@@ -7,7 +7,6 @@ so a corpus of any size is written without ever being whole in memory.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,18 +102,6 @@ class EncodedCorpus:
 
     def subset(self, keep: np.ndarray) -> EncodedCorpus:
         return self if keep.all() else EncodedCorpus(self.src.subset(keep), self.tgt.subset(keep))
-
-    def digest(self) -> str:
-        """A hash of the pairs' ids (sha256, hex): what a run trained on, whatever file, path or format
-        the pairs came from. A resumed run compares it with its checkpoint's, so a corpus may move (another
-        machine, another mount) but not change under the run. Reads the ids once (a memory-mapped cache
-        is paged in): about a second a GB."""
-        hashed = hashlib.sha256()
-        for ragged in (self.src, self.tgt):
-            hashed.update(len(ragged).to_bytes(8, "little"))  # where the offsets end and the ids begin
-            for array, dtype in ((ragged.offsets, np.dtype("<i8")), (ragged.ids, ID_DTYPE)):
-                hashed.update(np.ascontiguousarray(array, dtype=dtype).data)
-        return hashed.hexdigest()
 
     @classmethod
     def load(cls, directory: Path) -> EncodedCorpus:

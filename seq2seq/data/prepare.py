@@ -32,6 +32,7 @@ class TrainingData:
     valid: EncodedCorpus  # never sampled
     valid_text: ParallelText  # raw sentences: BLEU is computed on detokenized text
     variants: tuple[EncodedCorpus, ...] = ()  # sampled segmentations of the training split, one per epoch in turn
+    text_digest: str = ""  # the training text read (sources.PairCounts): checkpoints record it, resumes compare it
 
     def train_for_epoch(self, epoch: int) -> EncodedCorpus:
         """The training split as epoch `epoch` (1 = the first) sees it."""
@@ -61,6 +62,14 @@ def encode_training_split(
 ) -> EncodedCorpus:
     """The filtered training ids: from the cache when this data and tokenizer were encoded before.
     With `sampled_seed`, a segmentation drawn under that seed with data.subword_alpha/nbest."""
+    return _encoded_training_split(data, tokenizer, progress=progress, sampled_seed=sampled_seed)[0]
+
+
+def _encoded_training_split(
+    data: DataConfig, tokenizer: Tokenizer, *, progress: bool, sampled_seed: int | None
+) -> tuple[EncodedCorpus, dict]:
+    """encode_training_split's corpus and its report: the counts read, removed and kept, and the text's
+    digest (`text`), kept with a cache entry so that a cached corpus has it without reading the text."""
     report: dict = {}
     sampling = None if sampled_seed is None else SubwordSampling(data.subword_alpha, data.subword_nbest)
     if not data.cache_dir:
@@ -68,7 +77,7 @@ def encode_training_split(
             list(_filtered_chunks(data, tokenizer, report, progress, sampling, sampled_seed))
         )
         _log_report(report, "")
-        return corpus
+        return corpus, report
     settings = {
         "langs": [data.src_lang, data.tgt_lang],
         "max_length": data.max_length,
@@ -85,7 +94,7 @@ def encode_training_split(
         cached, source = cache.load_cached(entry), f"; cached in {entry}"
     corpus, report = cached
     _log_report(report, source)
-    return corpus
+    return corpus, report
 
 
 def _filtered_chunks(
@@ -116,6 +125,7 @@ def _filtered_chunks(
         too_long=filtered.too_long,
         bad_ratio=filtered.bad_ratio,
         kept=filtered.kept,
+        text=counts.text_digest(),
     )
 
 
@@ -132,12 +142,14 @@ def prepare_training_data(
     valid_text = valid_text if valid_text is not None else read_split(data, "valid")
     valid = encode_pairs(tokenizer, zip(valid_text.src, valid_text.tgt))
     if not data.subword_alpha:
-        return TrainingData(encode_training_split(data, tokenizer, progress=progress), valid, valid_text)
-    variants = tuple(
-        encode_training_split(data, tokenizer, progress=progress, sampled_seed=1000 * seed + variant)
+        train, report = _encoded_training_split(data, tokenizer, progress=progress, sampled_seed=None)
+        return TrainingData(train, valid, valid_text, text_digest=report["text"])
+    encoded = [
+        _encoded_training_split(data, tokenizer, progress=progress, sampled_seed=1000 * seed + variant)
         for variant in range(data.subword_variants)
-    )
-    return TrainingData(variants[0], valid, valid_text, variants)
+    ]
+    variants = tuple(corpus for corpus, _ in encoded)
+    return TrainingData(variants[0], valid, valid_text, variants, text_digest=encoded[0][1]["text"])
 
 
 def _log_report(report: dict, source: str) -> None:

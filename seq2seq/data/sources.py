@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import gzip
+import hashlib
 import itertools
 import json
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
 from seq2seq.config import CorpusConfig
 from seq2seq.errors import UserInputError
@@ -37,10 +38,19 @@ class ParallelText:
 
 @dataclass
 class PairCounts:
-    """Filled in while a stream of pairs is consumed."""
+    """Filled in while a stream of pairs is consumed: how many, and a hash of the pairs kept, in order
+    (`text_digest`): the text a run trained on, whatever file, path or format it came from."""
 
     kept: int = 0
     dropped_empty: int = 0  # pairs with an empty side
+    hashed: Any = dataclasses.field(default_factory=hashlib.sha256, repr=False)  # a hashlib hash
+
+    def keep(self, src: str, tgt: str) -> None:
+        self.kept += 1
+        self.hashed.update(f"{len(src)}:{src}{len(tgt)}:{tgt}".encode())  # lengths: no two pairs read alike
+
+    def text_digest(self) -> str:
+        return self.hashed.hexdigest()
 
 
 def iter_pairs(
@@ -58,7 +68,7 @@ def iter_pairs(
         pairs = _hf_pairs(corpus, src_lang=src_lang, tgt_lang=tgt_lang, key=key)
     for src, tgt in pairs:
         if src and tgt:
-            counts.kept += 1
+            counts.keep(src, tgt)
             yield src, tgt
         else:
             counts.dropped_empty += 1

@@ -99,10 +99,10 @@ class RunDir:
 def check_resumable(stored: Config, given: Config, run_dir: RunDir, *, data_recorded: bool) -> list[str]:
     """A resumed run keeps what it trains (RUN_DEFINING_KEYS); other keys may change: one line for each
     that did, for the trainer to log once it holds the run directory (its train.log is then its own).
-    Where the checkpoint recorded its training pairs (`data_recorded`), data.train may name other files,
-    a moved corpus: prepare_run then checks that they hold the same pairs."""
+    Where the checkpoint recorded its training text (`data_recorded`), data.train may name other files,
+    a moved corpus: prepare_run then checks that they hold the same text."""
     differences = config_differences(stored, given)
-    fixed = run_defining_differences(stored, given, pairs_compared=data_recorded)
+    fixed = run_defining_differences(stored, given, text_compared=data_recorded)
     if fixed:
         lines = [
             f"--resume {run_dir.root}: {key}: {differences[key][0]!r} in the run, {differences[key][1]!r} given; "
@@ -113,14 +113,13 @@ def check_resumable(stored: Config, given: Config, run_dir: RunDir, *, data_reco
     return [f"resume: {key} changed from {before!r} to {after!r}" for key, (before, after) in differences.items()]
 
 
-def check_same_pairs(data: TrainingData, recorded: str, config: Config) -> None:
-    """A resumed run trains on the pairs its checkpoint recorded (EncodedCorpus.digest), or not at all:
-    other pairs would change the batch order and every update from here on, silently."""
-    if data.train.digest() != recorded:
+def check_same_text(data: TrainingData, recorded: str, config: Config) -> None:
+    """A resumed run trains on the text its checkpoint recorded (TrainingData.text_digest), or not at
+    all: other pairs would change the batch order and every update from here on, silently."""
+    if data.text_digest != recorded:
         raise UserInputError(
-            f"data.train ({_corpus_name(config)}): its {len(data.train)} training pairs are not those this run "
-            "trained on (their ids differ); a resumed run must keep its data: give it the run's files back, or "
-            "start a new run with --run-dir"
+            f"data.train ({_corpus_name(config)}): not the text this run trained on (its pairs differ); a "
+            "resumed run must keep its data: give it the run's files back, or start a new run with --run-dir"
         )
 
 
@@ -138,7 +137,7 @@ def prepare_run(
     config.yaml: rank 0 first, then the other ranks reuse its tokenizer and encoding cache. The
     validation split is read first: a problem in it shows before the long work, and before the run
     directory is made; a run refused for its training data leaves no config.yaml. A resumed run passes
-    the digest of its pairs (`trained_on`), which the data must match. Rank 0 holds the directory
+    the digest of its training text (`trained_on`), which the data must match. Rank 0 holds the directory
     (RunDir.held) until `held` closes."""
     valid_text = read_split(config.data, "valid")
     if dist.is_main:
@@ -147,7 +146,7 @@ def prepare_run(
         tokenizer = tokenizer or _load_or_train_tokenizer(config, run_dir, progress)
         data = prepare_training_data(config.data, tokenizer, valid_text, progress=progress, seed=config.train.seed)
         if trained_on:
-            check_same_pairs(data, trained_on, config)
+            check_same_text(data, trained_on, config)
         write_text_atomic(run_dir.config_file, yaml.safe_dump(config.to_dict(), sort_keys=False))
     dist.barrier()
     if not dist.is_main:

@@ -115,8 +115,7 @@ class Trainer:
             tokenizer=resumed.tokenizer if resumed else None,
             trained_on=resumed.train_data if resumed else "",
         )
-        # what the checkpoints record as this run's pairs (checked by prepare_run where a resumed run had it)
-        self.train_data = (resumed and resumed.train_data) or (self.data.train.digest() if self.dist.is_main else "")
+        self.train_data = self.data.text_digest  # checkpoints record it; prepare_run compared a resumed run's
         self.model = build_model(config.model, self.tokenizer).to(self.device)
         if self.dist.enabled:  # same initial weights everywhere (DDP also broadcasts them); own dropout streams
             torch.manual_seed(tc.seed + 7919 * self.dist.rank)

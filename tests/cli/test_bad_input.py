@@ -270,7 +270,7 @@ CASES = {
     "train --resume on other pairs": Case(
         lambda w: ["train", w.config, "--resume", w.run, "--set", f"data.train.tgt={w.data / 'train.en'}"],
         lambda w: [f"data.train ({w.data / 'train.en'}, {w.data / 'train.en'})",
-                   "training pairs are not those this run trained on"]),
+                   "not the text this run trained on"]),
     "tokenizer train with a missing data file": Case(
         lambda w: ["tokenizer", "train", w.config, "--set", f"data.train.src={w.missing}", "--run-dir", w.root / "t"],
         lambda w: ["data.train.src", "file not found", str(w.missing)], not_created=lambda w: [w.root / "t"]),

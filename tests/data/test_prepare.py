@@ -103,6 +103,24 @@ def test_sampled_segmentations_are_seeded_cached_and_taken_in_turn_by_epochs(tin
     assert all(np.array_equal(a.tgt.ids, b.tgt.ids) for a, b in zip(cached.variants, data.variants))
 
 
+def test_the_text_digest_names_the_text_not_its_file_format_segmentation_or_cache(tiny_data):
+    """What a checkpoint records of its training data (TrainingData.text_digest): the same for the
+    same pairs from a TSV file, sampled into pieces or read back from the cache; another for one pair
+    changed."""
+    config, tokenizer = make(tiny_data)
+    plain = prepare.prepare_training_data(config, tokenizer).text_digest
+    assert len(plain) == 64 and prepare.prepare_training_data(config, tokenizer).text_digest == plain  # cached
+    sampled = dataclasses.replace(config, subword_alpha=0.2, subword_variants=2)
+    assert prepare.prepare_training_data(sampled, tokenizer, seed=5).text_digest == plain
+    lines = [(tiny_data / f"train.{lang}").read_text().splitlines() for lang in ("en", "xx")]
+    tsv = tiny_data / "train.tsv"
+    tsv.write_text("".join(f"{src}\t{tgt}\n" for src, tgt in zip(*lines)))
+    as_tsv = dataclasses.replace(config, train=dataclasses.replace(config.train, format="tsv", path=str(tsv)))
+    assert prepare.prepare_training_data(as_tsv, tokenizer).text_digest == plain
+    tsv.write_text("".join(f"{src}\t{tgt}\n" for src, tgt in zip(lines[0], ["changed", *lines[1][1:]])))
+    assert prepare.prepare_training_data(as_tsv, tokenizer).text_digest != plain
+
+
 @pytest.mark.parametrize(("key", "value"), [("subword_alpha", 1.5), ("subword_nbest", 0), ("subword_variants", 0)])
 def test_impossible_subword_settings_are_named(tiny_data, key, value):
     raw = tiny_config_dict(tiny_data)
