@@ -187,6 +187,12 @@ class TrainConfig:
         "logged, kept on resume); or fp32, bf16, fp16 (CUDA only)",
     )
     seed: int = setting(1, "seeds parameter init, dropout and the batch order", Bound(0, SEED_LIMIT, high_open=True))
+    init_from: str | None = setting(
+        None,
+        "fine-tuning: a checkpoint (.pt) or run directory whose weights and tokenizer a new run starts from; "
+        "the optimizer, schedule and step count start afresh (the model and tokenizer sections must match "
+        "its own, but for dropout rates)",
+    )
     threads: int = setting(0, "torch CPU threads (0: torch's default)", NOT_NEGATIVE)
     device: Literal["auto", "cpu", "cuda"] = setting(
         "auto", "auto: the GPU when torch sees one (torchrun: each rank its local rank's), else the CPU"
@@ -316,6 +322,27 @@ def config_differences(first: Config, second: Config) -> dict[str, tuple[Any, An
         for key in sorted(flat_first.keys() | flat_second.keys())
         if flat_first.get(key) != flat_second.get(key)
     }
+
+
+# Model keys that only regularise training: a fine-tuned model (train.init_from) may change them.
+REGULARISATION_KEYS = (
+    "model.dropout",
+    "model.attention_dropout",
+    "model.activation_dropout",
+    "model.encoder_layerdrop",
+    "model.decoder_layerdrop",
+    "model.target_word_dropout",
+)
+
+
+def architecture_differences(first: Config, second: Config) -> list[str]:
+    """The model and tokenizer keys whose values differ, but for REGULARISATION_KEYS: what a model
+    fine-tuned from another (train.init_from) must keep of it to take its weights and vocabulary."""
+    return [
+        key
+        for key in config_differences(first, second)
+        if key.startswith(("model.", "tokenizer.")) and key not in REGULARISATION_KEYS
+    ]
 
 
 def run_defining_differences(first: Config, second: Config, *, text_compared: bool = False) -> list[str]:

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import yaml
 
-from seq2seq.checkpoint import numbered_checkpoints
-from seq2seq.config import Config, config_differences, run_defining_differences
+from seq2seq.checkpoint import Checkpoint, numbered_checkpoints
+from seq2seq.config import Config, architecture_differences, config_differences, run_defining_differences
 from seq2seq.data.prepare import TrainingData, prepare_training_data, read_split, stream_split
 from seq2seq.data.sources import corpus_identity
 from seq2seq.data.tokenizer import Tokenizer, load_or_train_tokenizer, saved_tokenizer_exists
@@ -111,6 +111,26 @@ def check_resumable(stored: Config, given: Config, run_dir: RunDir, *, data_reco
         ]
         raise UserInputError("\n".join(lines))
     return [f"resume: {key} changed from {before!r} to {after!r}" for key, (before, after) in differences.items()]
+
+
+def fine_tuning_start(config: Config) -> Checkpoint:
+    """The checkpoint named by train.init_from, checked before any work: a new run takes its weights
+    and tokenizer, so its model and tokenizer sections must be the checkpoint's (dropout rates aside)."""
+    try:
+        start = Checkpoint.load(config.train.init_from)
+    except UserInputError as error:
+        raise UserInputError(f"train.init_from: {error}") from None
+    differences = config_differences(start.config, config)
+    differing = architecture_differences(start.config, config)
+    if differing:
+        raise UserInputError(
+            "\n".join(
+                f"train.init_from {config.train.init_from}: {key}: {differences[key][0]!r} in the checkpoint, "
+                f"{differences[key][1]!r} given; a fine-tuned model keeps the shape and vocabulary it starts from"
+                for key in differing
+            )
+        )
+    return start
 
 
 def check_same_text(data: TrainingData, recorded: str, config: Config) -> None:

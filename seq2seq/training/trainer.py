@@ -36,7 +36,7 @@ from seq2seq.progress import progress_bar
 from seq2seq.training.distributed import setup_distributed
 from seq2seq.training.host_memory import HEAP_TRIM_EVERY, release_free_heap
 from seq2seq.training.precision import choose_precision
-from seq2seq.training.run_dir import RunDir, check_resumable, prepare_run
+from seq2seq.training.run_dir import RunDir, check_resumable, fine_tuning_start, prepare_run
 from seq2seq.training.run_log import LogWindow, MetricsLog, PeakRss, log_to_file, memory_figures
 from seq2seq.training.schedule import budget_spent, learning_rate
 from seq2seq.training.train_step import (
@@ -94,16 +94,18 @@ class Trainer:
             if resumed
             else []
         )
+        # fine-tuning: a new run starts from another's weights and tokenizer (a resumed one from its own)
+        start = fine_tuning_start(config) if tc.init_from and not resumed else None
         self._held = contextlib.ExitStack()  # RUN_DIR/train.log and the run directory's lock, until run() ends
         if self.dist.is_main:
             self._held.enter_context(log_to_file(self.run_dir.log))
         try:
-            self._prepare(resumed, resumed_path if resumed else None)
+            self._prepare(resumed, resumed_path if resumed else None, start)
         except BaseException:
             self._held.close()
             raise
 
-    def _prepare(self, resumed: Checkpoint | None, resumed_path: Path | None) -> None:
+    def _prepare(self, resumed: Checkpoint | None, resumed_path: Path | None, start: Checkpoint | None) -> None:
         config, tc = self.config, self.config.train
         torch.manual_seed(tc.seed)
         self.tokenizer, self.data = prepare_run(
@@ -112,11 +114,19 @@ class Trainer:
             self.dist,
             self._held,
             progress=self.show_progress,
-            tokenizer=resumed.tokenizer if resumed else None,
+            tokenizer=(resumed or start).tokenizer if resumed or start else None,
             trained_on=resumed.train_data if resumed else "",
         )
         self.train_data = self.data.text_digest  # checkpoints record it; prepare_run compared a resumed run's
         self.model = build_model(config.model, self.tokenizer).to(self.device)
+        if start is not None:
+            self.model.load_state_dict(start.model)
+            log.info(
+                "fine-tuning %s (step %d of its run): its weights and tokenizer; the optimizer, schedule and step "
+                "count start afresh",
+                tc.init_from,
+                start.progress.step,
+            )
         if self.dist.enabled:  # same initial weights everywhere (DDP also broadcasts them); own dropout streams
             torch.manual_seed(tc.seed + 7919 * self.dist.rank)
         layerdrop = bool(config.model.encoder_layerdrop or config.model.decoder_layerdrop)  # skipped: no grads

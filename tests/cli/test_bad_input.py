@@ -267,6 +267,14 @@ CASES = {
     "train --resume with a changed model": Case(
         lambda w: ["train", w.config, "--resume", w.run, "--set", "model.d_model=64"],
         lambda w: [f"--resume {w.run}", "model.d_model", "96 in the run, 64 given"]),
+    "train from a missing checkpoint": Case(
+        lambda w: ["train", w.config, "--run-dir", w.root / "r-init", "--set", f"train.init_from={w.missing}"],
+        lambda w: [f"train.init_from: {w.missing}: checkpoint not found"], not_created=lambda w: [w.root / "r-init"]),
+    "train from a checkpoint of another shape": Case(
+        lambda w: ["train", w.config, "--run-dir", w.root / "r-init2", "--set", f"train.init_from={w.run}", "--set",
+                   "model.ffn_dim=64"],
+        lambda w: [f"train.init_from {w.run}: model.ffn_dim: 192 in the checkpoint, 64 given"],
+        not_created=lambda w: [w.root / "r-init2"]),
     "train --resume on other pairs": Case(
         lambda w: ["train", w.config, "--resume", w.run, "--set", f"data.train.tgt={w.data / 'train.en'}"],
         lambda w: [f"data.train ({w.data / 'train.en'}, {w.data / 'train.en'})",

@@ -177,6 +177,29 @@ def test_a_checkpoint_that_did_not_record_its_pairs_keeps_its_data_paths(tmp_pat
         Trainer(config_from_dict(raw, origin="test"), tmp_path / "run", resume=True, show_progress=False)
 
 
+def test_a_new_run_fine_tunes_from_a_checkpoints_weights_and_tokenizer(tmp_path, tiny_data):
+    """train.init_from: the new run starts at step 0 from the checkpoint's weights and tokenizer, so its
+    first loss is the trained model's, not a fresh one's; its dropout may differ, its shape may not."""
+    base = make_trainer(tmp_path, tiny_data, "base", max_steps=60, save_every=60, valid_every=100, log_every=1)
+    base.run()
+    trained = Checkpoint.load(tmp_path / "base")
+    raw = tiny_config_dict(tiny_data, max_steps=3, valid_every=100, log_every=1, init_from=str(tmp_path / "base"))
+    raw["model"]["dropout"] = 0.2
+    tuned = Trainer(config_from_dict(raw, origin="test"), tmp_path / "tuned", show_progress=False)
+    for name, tensor in trained.model.items():
+        assert torch.equal(tuned.model.state_dict()[name], tensor), name
+    assert tuned.tokenizer.protos() == trained.tokenizer.protos()
+    assert tuned.run().progress.step == 3
+    losses = [[r["loss"] for r in run.metrics.read() if r["kind"] == "train"] for run in (base, tuned)]
+    assert losses[1][0] < 0.8 * losses[0][0]  # the trained model's loss, far below a fresh model's first
+    assert losses[1][0] < 1.2 * losses[0][-1], losses
+
+    raw["model"]["d_model"], raw["model"]["heads"] = 64, 2
+    with pytest.raises(UserInputError, match=r"train.init_from .*base: model.d_model: 96 in the checkpoint, 64 given"):
+        Trainer(config_from_dict(raw, origin="test"), tmp_path / "refused", show_progress=False)
+    assert not (tmp_path / "refused").exists()
+
+
 def test_non_finite_steps_are_skipped_and_too_many_stop_with_a_message(tmp_path, tiny_data, monkeypatch):
     import seq2seq.training.train_step as step_module
     import seq2seq.training.trainer as train_module
