@@ -1,7 +1,7 @@
 """A training run's directory: its layout, the start-or-resume rule, and what it prepares before training.
 
 RUN_DIR/config.yaml      the resolved config (enough to reproduce the run)
-RUN_DIR/tokenizer/       the SentencePiece model(s), trained once
+RUN_DIR/tokenizer/       the SentencePiece model(s), trained once (not made by fine-tuning: train.init_from's)
 RUN_DIR/checkpoints/     step_NNNNNNNN.pt, last.pt, best.pt (checkpoint.py)
 RUN_DIR/metrics.jsonl    one JSON record per log or validation step (run_log.py)
 RUN_DIR/train.log        the log lines stderr showed, appended by every start and resume
