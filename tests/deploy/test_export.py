@@ -533,7 +533,7 @@ def test_an_export_with_more_positions_translates_the_long_line(trained_checkpoi
 def test_an_exported_model_stops_at_its_deadline(exported_model, monkeypatch):
     """CTranslate2 cannot take back a submitted batch: greedy and sampled decoding stop at the step
     past the deadline (its per-step callback), beam search between batches; either way the caller
-    gets DeadlinePassed, never a partial output."""
+    gets DeadlinePassed, never a partial output. Scoring checks it between its calls."""
     import types
 
     from seq2seq.inference import ctranslate2_engine
@@ -553,6 +553,14 @@ def test_an_exported_model_stops_at_its_deadline(exported_model, monkeypatch):
     assert len(calls) <= 6  # a check, three steps, the check after: then it stopped
     with pytest.raises(DeadlinePassed):
         exported.translate_with(lines[:4], exported.settings(beam=4), deadline=0.0)
+    scoring = exported.settings(batch_tokens=64)  # scored in many calls, the clock read before each
+    calls.clear()
+    assert len(exported.score_with(lines, lines, scoring, deadline=10**9)) == len(lines)
+    assert len(calls) >= 5
+    calls.clear()
+    with pytest.raises(DeadlinePassed):
+        exported.score_with(lines, lines, scoring, deadline=2.0)
+    assert len(calls) == 3  # two calls went in, the third check found the deadline passed
 
 
 def test_an_export_with_a_shortlist_passes_the_gate_against_the_shortlisted_checkpoint(trained_checkpoint, tmp_path):
