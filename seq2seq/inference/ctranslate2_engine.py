@@ -262,8 +262,13 @@ def _translate(
     return [_ranked(found, decode, limit, exponent) for found, limit in zip(finished, limits)]
 
 
-def _submitted(engine, calls: list, submit: Callable[[Any], list], collect: Callable[[Any, list], None],
-               deadline: float | None) -> None:  # fmt: skip
+def _submitted(
+    engine: ctranslate2.Translator,
+    calls: list,
+    submit: Callable[[Any], list],
+    collect: Callable[[Any, list], None],
+    deadline: float | None,
+) -> None:
     """Each call submitted (asynchronously) as CTranslate2's workers take them and collected, oldest
     first: two per worker in flight, the oldest collected before the next goes in, so that work is
     counted done as it finishes (submitting all at once blocked until most of it was done). A
