@@ -60,6 +60,7 @@ def train(
     Examples:
       seq2seq train configs/demo.yaml --set train.max_steps=2000
       seq2seq train configs/demo.yaml --resume runs/demo
+      seq2seq train configs/demo.yaml --run-dir runs/tuned --set train.init_from=runs/demo   (fine-tuning)
       seq2seq train configs/wmt14_en_de_base.yaml --nproc 8      (= torchrun --nproc_per_node 8 -m seq2seq train ...)
     """
     from seq2seq.config_files import load_config

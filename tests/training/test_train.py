@@ -200,6 +200,21 @@ def test_a_new_run_fine_tunes_from_a_checkpoints_weights_and_tokenizer(tmp_path,
     assert not (tmp_path / "refused").exists()
 
 
+def test_a_fine_tuning_run_resumes_from_its_own_checkpoints(tmp_path, tiny_data):
+    """Resumed, a fine-tuning run continues from its own last checkpoint (not train.init_from's
+    weights again): it ends as the uninterrupted one does."""
+    make_trainer(tmp_path, tiny_data, "base", max_steps=4, save_every=4, valid_every=100).run()
+    settings = dict(max_steps=4, save_every=2, valid_every=100, init_from=str(tmp_path / "base"))
+    make_trainer(tmp_path, tiny_data, "straight", **settings).run()
+    make_trainer(tmp_path, tiny_data, "stopped", **{**settings, "max_steps": 2}).run()
+    raw = tiny_config_dict(tiny_data, **settings)
+    Trainer(config_from_dict(raw, origin="test"), tmp_path / "stopped", resume=True, show_progress=False).run()
+    ours, theirs = (Checkpoint.load(tmp_path / name / "checkpoints" / "last.pt") for name in ("stopped", "straight"))
+    assert ours.progress.step == theirs.progress.step == 4
+    for name, tensor in theirs.model.items():
+        assert torch.equal(ours.model[name], tensor), name
+
+
 def test_non_finite_steps_are_skipped_and_too_many_stop_with_a_message(tmp_path, tiny_data, monkeypatch):
     import seq2seq.training.train_step as step_module
     import seq2seq.training.trainer as train_module
