@@ -15,15 +15,30 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from seq2seq.config import DataConfig
 from seq2seq.data import cache
-from seq2seq.data.encoded import EncodedCorpus, FilterReport, encode_chunks, encode_pairs, length_filter, write_corpus
+from seq2seq.data.encoded import (
+    SIDES,
+    EncodedCorpus,
+    FilterReport,
+    encode_chunks,
+    encode_pairs,
+    length_filter,
+    write_corpus,
+)
 from seq2seq.data.sources import PairCounts, ParallelText, iter_pairs, read_corpus
+from seq2seq.data.special_tokens import UNK_ID
 from seq2seq.data.tokenizer import SubwordSampling, Tokenizer
 from seq2seq.errors import UserInputError
 from seq2seq.progress import with_progress
 
 log = logging.getLogger(__name__)
+# A share of <unk> pieces in the training ids worth a warning: a tokenizer trained on this text with
+# the default character coverage leaves well under a thousandth.
+UNKNOWN_WARNING = 0.01
+SIDE_NAMES = {"src": "source", "tgt": "target"}
 
 
 @dataclass(frozen=True)
@@ -108,12 +123,18 @@ def _filtered_chunks(
     """The training split streamed through the tokenizer and the length filters, chunk by chunk; once
     exhausted, `report` holds the counts of what was read, removed and kept."""
     counts, filtered = PairCounts(), FilterReport(0, 0, 0)
+    pieces, unknown = dict.fromkeys(SIDES, 0), dict.fromkeys(SIDES, 0)
     pairs = with_progress(stream_split(data, "train", counts), "encode data.train", enabled=progress)
     if sampling is not None:
         sampling.seed(sampled_seed)
     for chunk in encode_chunks(tokenizer, pairs, sampling):
         keep, chunk_report = length_filter(chunk, max_length=data.max_length, max_ratio=data.max_length_ratio)
-        yield chunk.subset(keep)
+        kept = chunk.subset(keep)
+        for side in SIDES:
+            ids = getattr(kept, side).ids
+            pieces[side] += ids.size
+            unknown[side] += int(np.count_nonzero(ids == UNK_ID))
+        yield kept
         filtered += chunk_report
     if counts.kept == 0:
         raise UserInputError("data.train: no sentence pairs found (empty file, or every pair had an empty side)")
@@ -126,6 +147,7 @@ def _filtered_chunks(
         bad_ratio=filtered.bad_ratio,
         kept=filtered.kept,
         text=counts.text_digest(),
+        unknown={side: unknown[side] / max(pieces[side], 1) for side in SIDES},
     )
 
 
@@ -162,3 +184,11 @@ def _log_report(report: dict, source: str) -> None:
         report["kept"],
         source,
     )
+    uncovered = {side: share for side, share in report["unknown"].items() if share > UNKNOWN_WARNING}
+    if uncovered:
+        shares = " and ".join(f"{share:.1%} of the {SIDE_NAMES[side]} pieces" for side, share in uncovered.items())
+        log.warning(
+            "data.train: %s are unknown to the tokenizer (<unk>), which the model cannot learn to read or write: "
+            "a tokenizer trained on other text (train.init_from's?) or with a low tokenizer.character_coverage",
+            shares,
+        )

@@ -121,6 +121,24 @@ def test_the_text_digest_names_the_text_not_its_file_format_segmentation_or_cach
     assert prepare.prepare_training_data(as_tsv, tokenizer).text_digest != plain
 
 
+def test_text_the_tokenizer_does_not_cover_is_a_warning_with_its_share(tiny_data, caplog):
+    """Pieces a tokenizer maps to <unk> cannot be learned: a tokenizer trained on other text (a
+    fine-tuning run's, train.init_from) says how much of the training text it misses; its own text, none."""
+    config, tokenizer = make(tiny_data)
+    with caplog.at_level(logging.INFO, logger="seq2seq"):
+        prepare.encode_training_split(config, tokenizer)
+    assert "unknown to the tokenizer" not in caplog.text
+    lines = (tiny_data / "train.xx").read_text().splitlines()
+    (tiny_data / "other.xx").write_text("".join(f"{line} \u0436\u0436\u0436\n" for line in lines))  # Cyrillic
+    other = dataclasses.replace(config, train=dataclasses.replace(config.train, tgt=str(tiny_data / "other.xx")))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="seq2seq"):
+        prepare.encode_training_split(other, tokenizer)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "of the target pieces are unknown to the tokenizer" in warnings[0], warnings
+    assert "source pieces" not in warnings[0]
+
+
 @pytest.mark.parametrize(("key", "value"), [("subword_alpha", 1.5), ("subword_nbest", 0), ("subword_variants", 0)])
 def test_impossible_subword_settings_are_named(tiny_data, key, value):
     raw = tiny_config_dict(tiny_data)
