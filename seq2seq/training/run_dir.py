@@ -18,13 +18,14 @@ from pathlib import Path
 
 import yaml
 
-from seq2seq.checkpoint import Checkpoint, numbered_checkpoints
+from seq2seq.checkpoint import BEST, LAST, Checkpoint, numbered_checkpoints
 from seq2seq.config import Config, architecture_differences, config_differences, run_defining_differences
 from seq2seq.data.prepare import TrainingData, prepare_training_data, read_split, stream_split
 from seq2seq.data.sources import corpus_identity
 from seq2seq.data.tokenizer import Tokenizer, load_or_train_tokenizer, saved_tokenizer_exists
 from seq2seq.errors import UserInputError
 from seq2seq.files import remove_stale_temporaries, write_text_atomic
+from seq2seq.inference.engine import EXPORT_METADATA
 from seq2seq.progress import with_progress
 from seq2seq.training.distributed import DistributedContext
 
@@ -116,8 +117,19 @@ def check_resumable(stored: Config, given: Config, run_dir: RunDir, *, data_reco
 def fine_tuning_start(config: Config) -> Checkpoint:
     """The checkpoint named by train.init_from, checked before any work: a new run takes its weights
     and tokenizer, so its model and tokenizer sections must be the checkpoint's (dropout rates aside)."""
+    given = Path(config.train.init_from)
+    if (given / EXPORT_METADATA).is_file():
+        raise UserInputError(
+            f"train.init_from {given}: an exported model (CTranslate2) cannot be trained on; expected the "
+            "checkpoint (.pt) it was exported from, or its run directory"
+        )
+    if given.is_dir() and not any((given / "checkpoints" / name).is_file() for name in (BEST, LAST)):
+        raise UserInputError(
+            f"train.init_from {given}: a directory without checkpoints/{BEST} or checkpoints/{LAST}; expected a "
+            "checkpoint (.pt) or a run directory that has saved one"
+        )
     try:
-        start = Checkpoint.load(config.train.init_from)
+        start = Checkpoint.load(given)
     except UserInputError as error:
         raise UserInputError(f"train.init_from: {error}") from None
     differences = config_differences(start.config, config)

@@ -77,6 +77,14 @@ def _tsv_with_two_tabs(world: Paths) -> Path:
     return _config_with(world, "tsv", lambda raw: raw["data"].update(train={"format": "tsv", "path": str(path)}))
 
 
+def _export_folder(world: Paths) -> Path:
+    """A folder marked as written by `seq2seq export` (its metadata file is what marks it)."""
+    folder = world.root / "exported"
+    folder.mkdir(exist_ok=True)
+    (folder / "seq2seq_export.json").write_text("{}")
+    return folder
+
+
 def _folder_with_plots(world: Paths) -> Path:
     """A folder holding what an earlier --attention-plot wrote for a second line."""
     folder = world.root / "plots"
@@ -270,6 +278,10 @@ CASES = {
     "train from a missing checkpoint": Case(
         lambda w: ["train", w.config, "--run-dir", w.root / "r-init", "--set", f"train.init_from={w.missing}"],
         lambda w: [f"train.init_from: {w.missing}: checkpoint not found"], not_created=lambda w: [w.root / "r-init"]),
+    "train from an exported model": Case(
+        lambda w: ["train", w.config, "--run-dir", w.root / "r-init3", "--set", f"train.init_from={_export_folder(w)}"],
+        lambda w: [f"train.init_from {w.root / 'exported'}: an exported model (CTranslate2) cannot be trained on"],
+        not_created=lambda w: [w.root / "r-init3"]),
     "train from a checkpoint of another shape": Case(
         lambda w: ["train", w.config, "--run-dir", w.root / "r-init2", "--set", f"train.init_from={w.run}", "--set",
                    "model.ffn_dim=64"],
