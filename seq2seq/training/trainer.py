@@ -119,6 +119,7 @@ class Trainer:
         )
         self.train_data = self.data.text_digest  # checkpoints record it; prepare_run compared a resumed run's
         self.model = build_model(config.model, self.tokenizer).to(self.device)
+        self.fine_tuning = start is not None
         if start is not None:
             self.model.load_state_dict(start.model)
             log.info(
@@ -168,6 +169,10 @@ class Trainer:
             enabled=self.show_progress,
         )
         window = LogWindow(self.device)
+        if self.fine_tuning and progress.step == 0:
+            # the model it starts from, on this run's validation split: the curves start at its BLEU, and
+            # best.pt is never a model worse there than the one the run was given
+            self._validate()
         stop_reason = self._stop_reason()  # a resumed run may have finished already
         while not stop_reason:
             self._late_dropout(progress.epoch)

@@ -193,6 +193,10 @@ def test_a_new_run_fine_tunes_from_a_checkpoints_weights_and_tokenizer(tmp_path,
     losses = [[r["loss"] for r in run.metrics.read() if r["kind"] == "train"] for run in (base, tuned)]
     assert losses[1][0] < 0.8 * losses[0][0]  # the trained model's loss, far below a fresh model's first
     assert losses[1][0] < 1.2 * losses[0][-1], losses
+    validations = [r for r in tuned.metrics.read() if r["kind"] == "valid"]
+    assert validations[0]["step"] == 0 and validations[-1]["step"] == 3  # the model it was given, validated first
+    base_bleu = [r["bleu"] for r in base.metrics.read() if r["kind"] == "valid"][-1]
+    assert validations[0]["bleu"] == base_bleu  # the same weights on the same validation split
 
     raw["model"]["d_model"], raw["model"]["heads"] = 64, 2
     with pytest.raises(UserInputError, match=r"train.init_from .*base: model.d_model: 96 in the checkpoint, 64 given"):
