@@ -79,7 +79,7 @@ def _tsv_with_two_tabs(world: Paths) -> Path:
 
 def _export_folder(world: Paths) -> Path:
     """A folder marked as written by `seq2seq export` (its metadata file is what marks it)."""
-    folder = world.root / "exported"
+    folder = world.root / "marked-export"
     folder.mkdir(exist_ok=True)
     (folder / "seq2seq_export.json").write_text("{}")
     return folder
@@ -280,7 +280,7 @@ CASES = {
         lambda w: [f"train.init_from: {w.missing}: checkpoint not found"], not_created=lambda w: [w.root / "r-init"]),
     "train from an exported model": Case(
         lambda w: ["train", w.config, "--run-dir", w.root / "r-init3", "--set", f"train.init_from={_export_folder(w)}"],
-        lambda w: [f"train.init_from {w.root / 'exported'}: an exported model (CTranslate2) cannot be trained on"],
+        lambda w: [f"train.init_from {w.root / 'marked-export'}: an exported model (CTranslate2) cannot be trained on"],
         not_created=lambda w: [w.root / "r-init3"]),
     "train from a checkpoint of another shape": Case(
         lambda w: ["train", w.config, "--run-dir", w.root / "r-init2", "--set", f"train.init_from={w.run}", "--set",
