@@ -122,7 +122,7 @@ def _filtered_chunks(
 ) -> Iterator[EncodedCorpus]:
     """The training split streamed through the tokenizer and the length filters, chunk by chunk; once
     exhausted, `report` holds the counts of what was read, removed and kept."""
-    counts, filtered = PairCounts(), FilterReport(0, 0, 0)
+    counts, filtered = PairCounts.with_digest(), FilterReport(0, 0, 0)
     pieces, unknown = dict.fromkeys(SIDES, 0), dict.fromkeys(SIDES, 0)
     pairs = with_progress(stream_split(data, "train", counts), "encode data.train", enabled=progress)
     if sampling is not None:

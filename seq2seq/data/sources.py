@@ -38,16 +38,22 @@ class ParallelText:
 
 @dataclass
 class PairCounts:
-    """Filled in while a stream of pairs is consumed: how many, and a hash of the pairs kept, in order
-    (`text_digest`): the text a run trained on, whatever file, path or format it came from."""
+    """Filled in while a stream of pairs is consumed: how many, and where asked for (`with_digest`), a
+    hash of the pairs kept, in order (`text_digest`): the text a run trained on, whatever file, path or
+    format it came from. Hashing nearly doubles the cost of reading a pair, so other reads go without."""
 
     kept: int = 0
     dropped_empty: int = 0  # pairs with an empty side
-    hashed: Any = dataclasses.field(default_factory=hashlib.sha256, repr=False)  # a hashlib hash
+    hashed: Any = dataclasses.field(default=None, repr=False)  # a hashlib hash, or None
+
+    @classmethod
+    def with_digest(cls) -> PairCounts:
+        return cls(hashed=hashlib.sha256())
 
     def keep(self, src: str, tgt: str) -> None:
         self.kept += 1
-        self.hashed.update(f"{len(src)}:{src}{len(tgt)}:{tgt}".encode())  # lengths: no two pairs read alike
+        if self.hashed is not None:
+            self.hashed.update(f"{len(src)}:{src}{len(tgt)}:{tgt}".encode())  # lengths: no two pairs read alike
 
     def text_digest(self) -> str:
         return self.hashed.hexdigest()
