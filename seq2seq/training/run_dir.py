@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from seq2seq.checkpoint import BEST, LAST, Checkpoint, numbered_checkpoints
+from seq2seq.checkpoint import BEST, LAST, Checkpoint, numbered_checkpoints, run_checkpoint
 from seq2seq.config import Config, architecture_differences, config_differences, run_defining_differences
 from seq2seq.data.prepare import TrainingData, prepare_training_data, read_split, stream_split
 from seq2seq.data.sources import corpus_identity
@@ -123,13 +123,15 @@ def fine_tuning_start(config: Config) -> Checkpoint:
             f"train.init_from {given}: an exported model (CTranslate2) cannot be trained on; expected the "
             "checkpoint (.pt) it was exported from, or its run directory"
         )
-    if given.is_dir() and not any((given / "checkpoints" / name).is_file() for name in (BEST, LAST)):
+    try:
+        path = run_checkpoint(given) if given.is_dir() else given
+    except UserInputError:  # its message offers an export, which cannot be trained on
         raise UserInputError(
             f"train.init_from {given}: a directory without checkpoints/{BEST} or checkpoints/{LAST}; expected a "
             "checkpoint (.pt) or a run directory that has saved one"
-        )
+        ) from None
     try:
-        start = Checkpoint.load(given)
+        start = Checkpoint.load(path)
     except UserInputError as error:
         raise UserInputError(f"train.init_from: {error}") from None
     differences = config_differences(start.config, config)
