@@ -66,6 +66,7 @@ class Checkpoint:
     ema: dict[str, Tensor] = field(default_factory=dict)  # train.ema_decay's weight average, to resume it
     weights: str = "trained"  # what `model` holds: "trained", "ema" or "average" (best.pt: which validated best)
     train_data: str = ""  # the digest of the training text (prepare.TrainingData.text_digest): a resume keeps it
+    interrupted: bool = False  # saved between periodic saves as a signal stopped the run: its next save replaces it
 
     def to_state(self) -> dict[str, Any]:
         """Plain data and tensors only, so that loading never needs to unpickle an object."""
@@ -86,6 +87,7 @@ class Checkpoint:
             "ema": self.ema,
             "weights": self.weights,
             "train_data": self.train_data,
+            "interrupted": self.interrupted,
         }
 
     @classmethod
@@ -117,6 +119,7 @@ class Checkpoint:
             ema=dict(state.get("ema", {})),
             weights=str(state.get("weights", "trained")),
             train_data=str(state.get("train_data", "")),
+            interrupted=bool(state.get("interrupted", False)),
         )
 
     def save(self, path: str | Path) -> None:
@@ -176,8 +179,12 @@ def load_for_inference(path: str | Path, device: torch.device | str = "cpu") -> 
     return InferenceBundle(checkpoint.build_model(device), checkpoint.tokenizer, checkpoint.config)
 
 
-def save_numbered(folder: Path, checkpoint: Checkpoint, *, keep_last: int) -> Path:
-    """Save as step_NNNNNNNN.pt, point last.pt at it, and delete all but the newest `keep_last` numbered ones."""
+def save_numbered(folder: Path, checkpoint: Checkpoint, *, keep_last: int, replaces: Path | None = None) -> Path:
+    """Save as step_NNNNNNNN.pt, point last.pt at it, and delete all but the newest `keep_last` numbered ones.
+
+    A checkpoint saved at an interruption, between periodic saves, is there for the run to resume from:
+    the run's next save `replaces` it, so that a run interrupted and resumed keeps (and averages,
+    train.average_last) the checkpoints the uninterrupted one keeps."""
     path = folder / f"step_{checkpoint.progress.step:08d}.pt"
     try:
         checkpoint.save(path)
@@ -189,6 +196,8 @@ def save_numbered(folder: Path, checkpoint: Checkpoint, *, keep_last: int) -> Pa
             "free some space and continue with --resume"
         ) from None
     _link_latest(path, folder / LAST)
+    if replaces is not None and replaces != path:
+        replaces.unlink(missing_ok=True)
     for old in numbered_checkpoints(folder)[:-keep_last]:
         old.unlink()
     return path

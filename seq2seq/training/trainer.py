@@ -1,6 +1,6 @@
 """The training loop and its stop rules: batches in a seeded order, one `train_step` per update, logging
 windows, periodic validation (and a last one when the run stops) and best.pt, checkpoints and exact
-resume, DistributedDataParallel.
+resume (a Ctrl-C or SIGTERM saves the update it lands in first: interruption.py), DistributedDataParallel.
 
 The update itself is train_step.py; the learning rate for the budget spent, schedule.py; the weight
 average, weight_average.py; the run directory and data preparation, run_dir.py; the checkpoint
@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,7 @@ from seq2seq.model.transformer import build_model
 from seq2seq.progress import progress_bar
 from seq2seq.training.distributed import setup_distributed
 from seq2seq.training.host_memory import HEAP_TRIM_EVERY, release_free_heap
+from seq2seq.training.interruption import StopRequests
 from seq2seq.training.precision import choose_precision
 from seq2seq.training.run_dir import RunDir, check_resumable, fine_tuning_start, prepare_run
 from seq2seq.training.run_log import LogWindow, MetricsLog, PeakRss, log_to_file, memory_figures
@@ -146,6 +148,8 @@ class Trainer:
         self.skipped = SkippedUpdates(self.device)
         self.rss_peaks = PeakRss()
         self.metrics = MetricsLog(self.run_dir.metrics, tensorboard=self.dist.is_main)
+        self.stops = StopRequests(enabled=not self.dist.enabled)  # interruption.py: why one process only
+        self._interrupted_save: Path | None = None  # saved at an interruption: the next save replaces it
         if resumed is not None:
             self._restore(resumed, resumed_path)
 
@@ -174,32 +178,38 @@ class Trainer:
             # best.pt is never a model worse there than the one the run was given
             self._validate()
         stop_reason = self._stop_reason()  # a resumed run may have finished already
-        while not stop_reason:
-            self._late_dropout(progress.epoch)
-            corpus = self.data.train_for_epoch(progress.epoch)  # subword sampling: this epoch's segmentation
-            batches = epoch_batches(corpus, max_tokens=tc.max_tokens, seed=tc.seed, epoch=progress.epoch)
-            if len(batches) < per_update:
-                raise UserInputError(f"data.train: {len(batches)} batches per epoch; one update needs {per_update}")
-            while progress.next_batch + per_update <= len(batches) and not stop_reason:
-                group = batches[progress.next_batch : progress.next_batch + per_update]
-                progress.next_batch += per_update
-                step, tokens = self._update(corpus, group, batches_per_epoch=len(batches) - len(batches) % per_update)
-                window.add(step, tokens)
-                bar.update(1)
-                stop_reason = self._after_update(bar, window)
-            if progress.next_batch + per_update > len(batches):
-                progress.epoch, progress.next_batch = progress.epoch + 1, 0
-                if tc.max_epochs and progress.epoch > tc.max_epochs and not stop_reason:
-                    stop_reason = f"max_epochs ({tc.max_epochs})"
-                    if progress.step % tc.valid_every:
-                        self._validate()
-                    self._save()
-        bar.close()
-        if self.dist.is_main and tc.average_last:
-            self._average_last_saves()
+        with self.stops:  # Ctrl-C or SIGTERM: this update ends and is saved first (interruption.py)
+            while not stop_reason:
+                self._late_dropout(progress.epoch)
+                corpus = self.data.train_for_epoch(progress.epoch)  # subword sampling: this epoch's segmentation
+                batches = epoch_batches(corpus, max_tokens=tc.max_tokens, seed=tc.seed, epoch=progress.epoch)
+                if len(batches) < per_update:
+                    raise UserInputError(f"data.train: {len(batches)} batches per epoch; one update needs {per_update}")
+                while progress.next_batch + per_update <= len(batches) and not stop_reason:
+                    group = batches[progress.next_batch : progress.next_batch + per_update]
+                    progress.next_batch += per_update
+                    per_epoch = len(batches) - len(batches) % per_update
+                    step, tokens = self._update(corpus, group, batches_per_epoch=per_epoch)
+                    window.add(step, tokens)
+                    bar.update(1)
+                    stop_reason = self._after_update(bar, window)
+                if progress.next_batch + per_update > len(batches):
+                    progress.epoch, progress.next_batch = progress.epoch + 1, 0
+                    if tc.max_epochs and progress.epoch > tc.max_epochs and not stop_reason:
+                        stop_reason = f"max_epochs ({tc.max_epochs})"
+                        if progress.step % tc.valid_every:
+                            self._validate()
+                        self._save()
+            bar.close()
+            if self.dist.is_main and tc.average_last and not self.stops.requested:
+                self._average_last_saves()
         # Leave together, once rank 0 has written the last checkpoint: a gloo rank that tore its group
         # down meanwhile sometimes aborted at exit in two-rank CPU runs (rarely with this barrier).
         dist.barrier()
+        if self.stops.requested:
+            saved = self._interrupted_save or self.run_dir.latest_checkpoint()
+            log.warning("interrupted at step %d; saved %s", progress.step, saved)
+            self.stops.deliver()
         log.info("stopped after %d steps: %s", progress.step, stop_reason)
         return TrainResult(dataclasses.replace(progress), self.run_dir.checkpoints / LAST, stop_reason)
 
@@ -281,7 +291,9 @@ class Trainer:
             self._validate()  # the final weights (at the floor of a budgeted schedule) may be the best
         if progress.step % tc.save_every == 0 or stop_reason:
             self._save()
-        return stop_reason
+        elif self.stops.requested:  # off the save grid: a checkpoint to resume from, which the next save replaces
+            self._save(interrupted=True)
+        return stop_reason or self._interruption()
 
     def _account_skipped_updates(self) -> None:
         """Bring the device-side skip counters into the progress; stop if training has diverged."""
@@ -380,6 +392,11 @@ class Trainer:
             return f"no BLEU improvement in {tc.patience} validations (patience)"
         return ""
 
+    def _interruption(self) -> str:
+        """Why the run stops when Ctrl-C or SIGTERM asked it to ("" if neither did); a stop rule met by the
+        same update comes first, so that the run ends as its budget says and is saved as such."""
+        return f"interrupted ({signal.Signals(self.stops.received).name})" if self.stops.requested else ""
+
     def _rng_states(self) -> list[torch.Tensor]:
         """Every rank's dropout RNG state (a collective: all ranks call it together)."""
         return self.dist.gather(torch.get_rng_state())
@@ -397,11 +414,18 @@ class Trainer:
             train_data=self.train_data,
         )
 
-    def _save(self) -> None:
+    def _save(self, *, interrupted: bool = False) -> None:
         self._account_skipped_updates()
         rng_states = self._rng_states()
         if self.dist.is_main:
-            save_numbered(self.run_dir.checkpoints, self._checkpoint(rng_states), keep_last=self.config.train.keep_last)
+            checkpoint = dataclasses.replace(self._checkpoint(rng_states), interrupted=interrupted)
+            path = save_numbered(
+                self.run_dir.checkpoints,
+                checkpoint,
+                keep_last=self.config.train.keep_last,
+                replaces=self._interrupted_save,
+            )
+            self._interrupted_save = path if interrupted else None
 
     def _restore(self, checkpoint: Checkpoint, path: Path) -> None:
         self.model.load_state_dict(checkpoint.model)
@@ -410,6 +434,7 @@ class Trainer:
         self.optimizer.load_state_dict(checkpoint.optimizer)
         self.scaler.load_state_dict(checkpoint.scaler)
         self.progress = checkpoint.progress  # its clock is rank 0's, the same for every rank
+        self._interrupted_save = path if checkpoint.interrupted else None
         if self.ema is not None and checkpoint.ema:
             self.ema.load_state_dict(checkpoint.ema)
         elif self.ema is not None:

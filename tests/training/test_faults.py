@@ -1,8 +1,10 @@
 """Injected faults: a full disk while a checkpoint is written, a torn metrics line, kills at random
-moments. Each gets one clear line (or none needed), nothing half-written is left, and the run resumes."""
+moments, Ctrl-C and SIGTERM. Each gets one clear line (or none needed), nothing half-written is left,
+and the run resumes."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
@@ -256,3 +258,97 @@ def test_every_writer_sweeps_what_a_killed_one_left(tmp_path, trained_checkpoint
     checkpoint, _ = trained_checkpoint
     export_checkpoint(checkpoint, tmp_path / "model", check_lines=5)
     assert not stale_staging.exists() and (tmp_path / "model" / "model.bin").exists()
+
+
+def _interrupt_at(monkeypatch, steps: dict[int, list[int]]) -> list[int]:
+    """Send this process the signals steps[n] during its n-th update (counted from 1), as Ctrl-C or a
+    SIGTERM landing in the middle of an update would; the calls are counted in the list returned."""
+    import seq2seq.training.trainer as trainer
+
+    real_step, calls = trainer.train_step, []
+
+    def signalled_step(*args, **kwargs):
+        calls.append(1)
+        for number in steps.get(len(calls), []):
+            os.kill(os.getpid(), number)
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "train_step", signalled_step)
+    return calls
+
+
+@pytest.mark.slow
+def test_an_interrupted_run_saves_its_last_update_and_resumes_as_the_uninterrupted_one(
+    tmp_path, tiny_data, monkeypatch
+):
+    """Ctrl-C in the middle of update 7, between the saves of steps 4 and 8: the update ends, step 7 is
+    saved (not lost back to step 4), KeyboardInterrupt follows. Resumed, the run ends bitwise as the
+    uninterrupted one, with the same checkpoints kept (keep_last), the step-7 save replaced."""
+    from seq2seq.config_files import config_from_dict
+    from seq2seq.training.trainer import Trainer
+
+    from ..conftest import make_trainer
+
+    settings = dict(max_steps=12, save_every=4, keep_last=3, valid_every=6, ema_decay=0.99)
+    make_trainer(tmp_path, tiny_data, "straight", **settings).run()
+    interrupted = make_trainer(tmp_path, tiny_data, "interrupted", **settings)
+    calls = _interrupt_at(monkeypatch, {7: [signal.SIGINT]})
+    with pytest.raises(KeyboardInterrupt):
+        interrupted.run()
+    assert len(calls) == 7
+    checkpoints = tmp_path / "interrupted" / "checkpoints"
+    assert [path.name for path in numbered_checkpoints(checkpoints)] == ["step_00000004.pt", "step_00000007.pt"]
+    saved = Checkpoint.load(checkpoints / "last.pt")
+    assert saved.progress.step == 7 and saved.interrupted
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handed back
+
+    monkeypatch.undo()
+    raw = tiny_config_dict(tiny_data, **settings)
+    Trainer(config_from_dict(raw, origin="test"), tmp_path / "interrupted", resume=True, show_progress=False).run()
+    kept = [[path.name for path in numbered_checkpoints(tmp_path / name / "checkpoints")]
+            for name in ("interrupted", "straight")]  # fmt: skip
+    assert kept[0] == kept[1] == ["step_00000004.pt", "step_00000008.pt", "step_00000012.pt"]
+    ours, theirs = (Checkpoint.load(tmp_path / run / "checkpoints" / "last.pt") for run in ("interrupted", "straight"))
+    clockless = [dataclasses.replace(run.progress, train_seconds=0.0) for run in (ours, theirs)]
+    assert clockless[0] == clockless[1] and not ours.interrupted
+    for name, tensor in theirs.model.items():
+        assert torch.equal(ours.model[name], tensor), name
+    for name, tensor in theirs.ema.items():
+        assert torch.equal(ours.ema[name], tensor), name
+
+
+def test_a_second_signal_stops_the_run_at_once(tmp_path, tiny_data, monkeypatch):
+    """Ctrl-C, then SIGTERM in the same update: the second is not deferred; it stops the run as a SIGTERM
+    does (Terminated, the CLI's exit 143), and nothing is saved past the last periodic save."""
+    from seq2seq.cli.boundary import Terminated, _sigterm_raises
+
+    from ..conftest import make_trainer
+
+    trainer = make_trainer(tmp_path, tiny_data, max_steps=12, save_every=4, valid_every=100)
+    _interrupt_at(monkeypatch, {2: [signal.SIGINT, signal.SIGTERM]})
+    with _sigterm_raises(), pytest.raises(Terminated):
+        trainer.run()
+    assert numbered_checkpoints(tmp_path / "run" / "checkpoints") == []
+
+
+def test_sigterm_saves_the_run_and_the_command_says_where_it_stopped(tmp_path, tiny_data):
+    """SIGTERM (a preempted machine, `timeout`, a container that stops) to `seq2seq train` once it trains:
+    exit 143, the update under way saved although no periodic save was due, and the step named."""
+    import time
+
+    config = _config(tmp_path, tiny_data, max_steps=100000, save_every=100000, valid_every=100000, log_every=1)
+    run_dir = tmp_path / "run"
+    process = subprocess.Popen(
+        [str(part) for part in _train_command(config, run_dir, resume=False)], stderr=subprocess.PIPE, text=True
+    )
+    metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 120
+    while not (metrics.exists() and metrics.read_text().count("\n")):  # the event: an update has been logged
+        assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    stderr = process.communicate(timeout=120)[1]
+    assert process.returncode == 143, stderr
+    (saved,) = numbered_checkpoints(run_dir / "checkpoints")
+    step = Checkpoint.load(saved).progress.step
+    assert step >= 1 and f"interrupted at step {step}; saved {saved}" in stderr
+    assert stderr.splitlines()[-1] == "interrupted; the last checkpoint is kept: continue with --resume RUN_DIR"
