@@ -67,6 +67,7 @@ class Checkpoint:
     weights: str = "trained"  # what `model` holds: "trained", "ema" or "average" (best.pt: which validated best)
     train_data: str = ""  # the digest of the training text (prepare.TrainingData.text_digest): a resume keeps it
     interrupted: bool = False  # saved between periodic saves as a signal stopped the run: its next save replaces it
+    segmentations: list[str] = field(default_factory=list)  # prepare.TrainingData.segmentations: a resume compares
 
     def to_state(self) -> dict[str, Any]:
         """Plain data and tensors only, so that loading never needs to unpickle an object."""
@@ -88,6 +89,7 @@ class Checkpoint:
             "weights": self.weights,
             "train_data": self.train_data,
             "interrupted": self.interrupted,
+            "segmentations": self.segmentations,
         }
 
     @classmethod
@@ -120,6 +122,7 @@ class Checkpoint:
             weights=str(state.get("weights", "trained")),
             train_data=str(state.get("train_data", "")),
             interrupted=bool(state.get("interrupted", False)),
+            segmentations=[str(digest) for digest in state.get("segmentations", [])],
         )
 
     def save(self, path: str | Path) -> None:

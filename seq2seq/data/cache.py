@@ -23,7 +23,8 @@ from seq2seq.data.tokenizer import Tokenizer
 from seq2seq.files import remove_stale_temporaries, temporary_path
 
 CACHE_VERSION = 4  # 2: raw .bin id files, appended chunk by chunk; 3: content identity of dataset folders;
-# 4: the report holds the text's digest (prepare.TrainingData.text_digest) and its share of unknown pieces
+# 4: the report holds the text's digest (prepare.TrainingData.text_digest) and its share of unknown pieces;
+# a sampled entry's, since, its segmentation's digest too (entries without it are compared with nothing)
 
 
 def cache_key(corpus: CorpusConfig, *, tokenizer: Tokenizer, settings: dict, key: str = "data.train") -> str:

@@ -10,6 +10,7 @@ trains on what the uninterrupted one would.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -48,6 +49,9 @@ class TrainingData:
     valid_text: ParallelText  # raw sentences: BLEU is computed on detokenized text
     variants: tuple[EncodedCorpus, ...] = ()  # sampled segmentations of the training split, one per epoch in turn
     text_digest: str = ""  # the training text read (sources.PairCounts): checkpoints record it, resumes compare it
+    # with subword sampling, a digest of each variant's pieces: a variant sampled again (no cache) by
+    # another SentencePiece version may differ, and a resumed run says so (run_dir.warn_if_resampled)
+    segmentations: tuple[str, ...] = ()
 
     def train_for_epoch(self, epoch: int) -> EncodedCorpus:
         """The training split as epoch `epoch` (1 = the first) sees it."""
@@ -124,6 +128,7 @@ def _filtered_chunks(
     exhausted, `report` holds the counts of what was read, removed and kept."""
     counts, filtered = PairCounts.with_digest(), FilterReport(0, 0, 0)
     pieces, unknown = dict.fromkeys(SIDES, 0), dict.fromkeys(SIDES, 0)
+    segmentation = hashlib.sha256()  # of the pieces kept, sentence by sentence
     pairs = with_progress(stream_split(data, "train", counts), "encode data.train", enabled=progress)
     if sampling is not None:
         sampling.seed(sampled_seed)
@@ -134,6 +139,9 @@ def _filtered_chunks(
             ids = getattr(kept, side).ids
             pieces[side] += ids.size
             unknown[side] += int(np.count_nonzero(ids == UNK_ID))
+            if sampling is not None:
+                segmentation.update(getattr(kept, side).lengths().astype(np.int64).tobytes())
+                segmentation.update(ids.tobytes())
         yield kept
         filtered += chunk_report
     if counts.kept == 0:
@@ -149,6 +157,8 @@ def _filtered_chunks(
         text=counts.text_digest(),
         unknown={side: unknown[side] / max(pieces[side], 1) for side in SIDES},
     )
+    if sampling is not None:
+        report["segmentation"] = segmentation.hexdigest()
 
 
 def prepare_training_data(
@@ -171,7 +181,10 @@ def prepare_training_data(
         for variant in range(data.subword_variants)
     ]
     variants = tuple(corpus for corpus, _ in encoded)
-    return TrainingData(variants[0], valid, valid_text, variants, text_digest=encoded[0][1]["text"])
+    segmentations = tuple(report.get("segmentation", "") for _, report in encoded)  # "": cached before digests
+    return TrainingData(
+        variants[0], valid, valid_text, variants, text_digest=encoded[0][1]["text"], segmentations=segmentations
+    )
 
 
 def _log_report(report: dict, source: str) -> None:

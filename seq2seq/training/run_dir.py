@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import sentencepiece as spm
 import yaml
 
 from seq2seq.checkpoint import BEST, LAST, Checkpoint, numbered_checkpoints, run_checkpoint
@@ -28,6 +30,8 @@ from seq2seq.files import remove_stale_temporaries, write_text_atomic
 from seq2seq.inference.engine import EXPORT_METADATA
 from seq2seq.progress import with_progress
 from seq2seq.training.distributed import DistributedContext
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -157,6 +161,25 @@ def check_same_text(data: TrainingData, recorded: str, config: Config) -> None:
         )
 
 
+def warn_if_resampled(data: TrainingData, recorded: list[str]) -> None:
+    """A resumed run's sampled segmentations (data.subword_alpha) repeat those it trained on when they
+    come from the encoding cache or the same SentencePiece; sampled again by another version they may
+    not, and the run then goes on, but no longer as the uninterrupted one would: it says so."""
+    differing = [
+        variant + 1
+        for variant, (digest, before) in enumerate(zip(data.segmentations, recorded))
+        if digest and before and digest != before
+    ]
+    if differing:
+        log.warning(
+            "data.subword_alpha: the sampled segmentations of data.train (variant %s) differ from those this run "
+            "trained on: sampled again here (no encoding cache) by sentencepiece %s; training goes on, though not "
+            "as the uninterrupted run would have",
+            ", ".join(map(str, differing)),
+            spm.__version__,
+        )
+
+
 def prepare_run(
     config: Config,
     run_dir: RunDir,
@@ -165,13 +188,15 @@ def prepare_run(
     *,
     tokenizer: Tokenizer | None = None,
     trained_on: str = "",
+    segmented_as: list[str] | None = None,
     progress: bool = False,
 ) -> tuple[Tokenizer, TrainingData]:
     """Train or reuse the tokenizer (a resumed run passes its checkpoint's), encode the data, then write
     config.yaml: rank 0 first, then the other ranks reuse its tokenizer and encoding cache. The
     validation split is read first: a problem in it shows before the long work, and before the run
     directory is made; a run refused for its training data leaves no config.yaml. A resumed run passes
-    the digest of its training text (`trained_on`), which the data must match. Rank 0 holds the directory
+    the digest of its training text (`trained_on`), which the data must match, and those of its sampled
+    segmentations (`segmented_as`), which it warns of when they differ. Rank 0 holds the directory
     (RunDir.held) until `held` closes."""
     valid_text = read_split(config.data, "valid")
     if dist.is_main:
@@ -181,6 +206,7 @@ def prepare_run(
         data = prepare_training_data(config.data, tokenizer, valid_text, progress=progress, seed=config.train.seed)
         if trained_on:
             check_same_text(data, trained_on, config)
+        warn_if_resampled(data, segmented_as or [])
         write_text_atomic(run_dir.config_file, yaml.safe_dump(config.to_dict(), sort_keys=False))
     dist.barrier()
     if not dist.is_main:

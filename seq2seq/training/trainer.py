@@ -118,6 +118,7 @@ class Trainer:
             progress=self.show_progress,
             tokenizer=(resumed or start).tokenizer if resumed or start else None,
             trained_on=resumed.train_data if resumed else "",
+            segmented_as=resumed.segmentations if resumed else None,
         )
         self.train_data = self.data.text_digest  # checkpoints record it; prepare_run compared a resumed run's
         self.model = build_model(config.model, self.tokenizer).to(self.device)
@@ -412,6 +413,7 @@ class Trainer:
             rng=RngStates(rng_states, torch.cuda.get_rng_state_all()),
             ema=self.ema.state_dict() if self.ema is not None else {},
             train_data=self.train_data,
+            segmentations=list(self.data.segmentations),
         )
 
     def _save(self, *, interrupted: bool = False) -> None:

@@ -164,6 +164,34 @@ def test_a_run_resumes_on_its_pairs_moved_or_reformatted_and_refuses_other_pairs
     assert (tmp_path / "straight" / "config.yaml").read_bytes() == config_yaml
 
 
+def test_a_resumed_run_says_when_its_segmentations_were_sampled_otherwise(tmp_path, tiny_data, monkeypatch, caplog):
+    """Subword sampling without an encoding cache: a resume samples the segmentations again, the same
+    ones under the same SentencePiece (no warning, and the run goes on exactly); other draws (another
+    SentencePiece version, here another seed) are named, since the run no longer repeats itself."""
+    from seq2seq.data.tokenizer import SubwordSampling
+
+    def run(name: str, max_steps: int, *, resume: bool = False):
+        raw = tiny_config_dict(tiny_data, max_steps=max_steps, save_every=2, valid_every=100)
+        raw["data"].update(subword_alpha=0.2, subword_variants=2, cache_dir="")
+        Trainer(config_from_dict(raw, origin="test"), tmp_path / name, resume=resume, show_progress=False).run()
+
+    caplog.set_level(logging.WARNING, logger="seq2seq")
+    run("straight", 4)
+    run("resumed", 2)
+    run("resumed", 4, resume=True)
+    assert not [r for r in caplog.records if "segmentations" in r.getMessage()]
+    ours, theirs = (Checkpoint.load(tmp_path / name / "checkpoints" / "last.pt") for name in ("resumed", "straight"))
+    assert len(ours.segmentations) == 2 and ours.segmentations == theirs.segmentations
+    for name, tensor in theirs.model.items():
+        assert torch.equal(ours.model[name], tensor), name
+
+    seed = SubwordSampling.seed
+    monkeypatch.setattr(SubwordSampling, "seed", lambda self, value: seed(self, value + 1))
+    run("resumed", 6, resume=True)
+    (warning,) = [r.getMessage() for r in caplog.records if "segmentations" in r.getMessage()]
+    assert warning.startswith("data.subword_alpha: the sampled segmentations of data.train (variant 1, 2) differ")
+
+
 def test_a_checkpoint_that_did_not_record_its_pairs_keeps_its_data_paths(tmp_path, tiny_data):
     """Written before checkpoints recorded their pairs: nothing shows that moved files hold the same
     pairs, so data.train stays as it was (the rule before)."""
