@@ -43,6 +43,7 @@ class Progress:
     train_seconds: float = 0.0
     skipped_steps: int = 0  # non-finite gradients (fp16 overflow or NaN loss): never applied
     decay_start: float = 0.0  # the share of the budget spent when warmup ended (schedule.learning_rate)
+    validation_due: bool = False  # a stop request cut the last validation short: a resumed run makes it first
 
 
 @dataclass
@@ -154,7 +155,10 @@ class Checkpoint:
 
 
 _REQUIRED = ("config", "tokenizer", "model", "optimizer", "scaler", "progress", "rng")
-_PROGRESS_ADDED = {"decay_start"}  # fields added within this format version: older checkpoints take the default
+_PROGRESS_ADDED = {
+    "decay_start",
+    "validation_due",
+}  # fields added within this format version: older checkpoints take the default
 
 
 @dataclass

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,16 +37,23 @@ def translate_and_score(
     *,
     options: ScoreOptions = ScoreOptions(),
     progress: bool = False,
+    on_batch: Callable[[int], None] = lambda done: None,
 ) -> Evaluation:
     """Translate `sources` (best hypothesis only; settings: `decode`, else the model's) and score them
-    against one reference set (a list of lines) or several (a list of such lists)."""
+    against one reference set (a list of lines) or several (a list of such lists). `on_batch` gets the
+    count of sentences each translated batch adds."""
     reference_sets = [references] if references and isinstance(references[0], str) else references
     for reference_set in reference_sets:
         if len(sources) != len(reference_set):
             raise UserInputError(f"{len(sources)} sources but {len(reference_set)} references; expected equal counts")
     decode = dataclasses.replace(decode or translator.decode, nbest=1)
     with progress_bar(total=len(sources), desc="translate", unit="sent", enabled=progress, leave=False) as bar:
-        hypotheses = [t.text for t in translator.translate_with(sources, decode, progress=bar.update)]
+
+        def batch_done(done: int) -> None:
+            bar.update(done)
+            on_batch(done)
+
+        hypotheses = [t.text for t in translator.translate_with(sources, decode, progress=batch_done)]
     return Evaluation(hypotheses, score(hypotheses, reference_sets, options))
 
 

@@ -1,5 +1,6 @@
 """Ctrl-C or SIGTERM while a run trains: the update under way ends, a checkpoint is saved, and then the
-run stops as the signal asks; a second signal stops it at once.
+run stops as the signal asks; a second signal stops it at once. A validation under way is dropped
+between two of its batches (`StopRequests.check`) and left for the resumed run to make first.
 
 A signal acted on where it lands loses every update since the last periodic save (`train.save_every`,
 often many minutes), and an update cut halfway cannot be saved at all. Preempted cloud machines and
@@ -22,6 +23,11 @@ log = logging.getLogger(__name__)
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
+class StopRequested(BaseException):
+    """Raised by StopRequests.check where work may be dropped. A BaseException, as KeyboardInterrupt is,
+    so that no `except Exception` on the way takes it for an error."""
+
+
 class StopRequests:
     """While entered, in the main thread of a single-process run, the first SIGINT or SIGTERM is only
     recorded (`requested`); `deliver` then does what the signal would have done. A signal ignored
@@ -35,6 +41,12 @@ class StopRequests:
     @property
     def requested(self) -> bool:
         return self.received is not None
+
+    def check(self) -> None:
+        """Raise StopRequested once a stop is asked for: called between the batches of work that can be
+        dropped and made again (a validation), where nothing is half-changed."""
+        if self.requested:
+            raise StopRequested
 
     def __enter__(self) -> StopRequests:
         if self.enabled and threading.current_thread() is threading.main_thread():

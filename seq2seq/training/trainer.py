@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,7 +37,7 @@ from seq2seq.model.transformer import build_model
 from seq2seq.progress import progress_bar
 from seq2seq.training.distributed import setup_distributed
 from seq2seq.training.host_memory import HEAP_TRIM_EVERY, release_free_heap
-from seq2seq.training.interruption import StopRequests
+from seq2seq.training.interruption import StopRequested, StopRequests
 from seq2seq.training.precision import choose_precision
 from seq2seq.training.run_dir import RunDir, check_resumable, fine_tuning_start, prepare_run
 from seq2seq.training.run_log import LogWindow, MetricsLog, PeakRss, log_to_file, memory_figures
@@ -177,6 +178,8 @@ class Trainer:
         if self.fine_tuning and progress.step == 0:
             # the model it starts from, on this run's validation split: the curves start at its BLEU, and
             # best.pt is never a model worse there than the one the run was given
+            self._validate()
+        if progress.validation_due:  # the validation a stop request cut short, before the run was saved
             self._validate()
         stop_reason = self._stop_reason()  # a resumed run may have finished already
         with self.stops:  # Ctrl-C or SIGTERM: this update ends and is saved first (interruption.py)
@@ -333,7 +336,7 @@ class Trainer:
             **memory_figures(self.device, self.rss_peaks),
         )
 
-    def evaluate_valid(self) -> ValidationResult:
+    def evaluate_valid(self, between_batches: Callable[[], None] = lambda: None) -> ValidationResult:
         return validate(
             self.model,
             self.tokenizer,
@@ -341,35 +344,49 @@ class Trainer:
             train=self.config.train,
             decode=self.config.decode,
             autocast=self.autocast(),
+            between_batches=between_batches,
         )
 
     def _validate(self) -> None:
         """Rank 0 validates (the trained weights, and their average when train.ema_decay keeps one);
-        the outcome (best BLEU, patience count) is shared so all ranks stop together."""
+        the outcome (best BLEU, patience count) is shared so all ranks stop together. Ctrl-C or SIGTERM
+        drops a validation between its batches: the run is saved with it due (progress.validation_due),
+        and the resumed run makes it first, as the uninterrupted run made it here."""
         progress = self.progress
         if self.dist.is_main:
-            result = self.evaluate_valid()
-            averaged = None
-            if self.ema is not None:
-                with self.ema.swapped_in():
-                    averaged = self.evaluate_valid()
-            chosen = averaged if averaged is not None and averaged.scores.bleu > result.scores.bleu else result
-            improved = chosen.scores.bleu > progress.best_bleu
-            if improved:
-                progress.best_bleu, progress.stale_validations = chosen.scores.bleu, 0
+            try:
+                result = self.evaluate_valid(self.stops.check)
+                averaged = None
+                if self.ema is not None:
+                    with self.ema.swapped_in():
+                        averaged = self.evaluate_valid(self.stops.check)
+            except StopRequested:
+                progress.validation_due = True
+                log.warning("the validation of step %d is left for the resumed run", progress.step)
             else:
-                progress.stale_validations += 1
-            samples = list(zip(self.data.valid_text.src, self.data.valid_text.tgt, chosen.hypotheses))[:2]
-            report_validation(self.metrics, progress.step, result, averaged, samples)
-            if improved:
-                # best.pt is for translation, not resuming: rank 0's own RNG state is enough (no collective)
-                best = self._checkpoint([torch.get_rng_state()])
-                if chosen is averaged:
-                    best = dataclasses.replace(best, model=self.ema.model_state(self.model), weights="ema")
-                best.save(self.run_dir.checkpoints / BEST)
+                progress.validation_due = False
+                self._record_validation(result, averaged)
         progress.best_bleu, progress.stale_validations = self.dist.broadcast(
             (progress.best_bleu, progress.stale_validations)
         )
+
+    def _record_validation(self, result: ValidationResult, averaged: ValidationResult | None) -> None:
+        """Best BLEU, patience count, log lines, metrics and best.pt for a validation's results."""
+        progress = self.progress
+        chosen = averaged if averaged is not None and averaged.scores.bleu > result.scores.bleu else result
+        improved = chosen.scores.bleu > progress.best_bleu
+        if improved:
+            progress.best_bleu, progress.stale_validations = chosen.scores.bleu, 0
+        else:
+            progress.stale_validations += 1
+        samples = list(zip(self.data.valid_text.src, self.data.valid_text.tgt, chosen.hypotheses))[:2]
+        report_validation(self.metrics, progress.step, result, averaged, samples)
+        if improved:
+            # best.pt is for translation, not resuming: rank 0's own RNG state is enough (no collective)
+            best = self._checkpoint([torch.get_rng_state()])
+            if chosen is averaged:
+                best = dataclasses.replace(best, model=self.ema.model_state(self.model), weights="ema")
+            best.save(self.run_dir.checkpoints / BEST)
 
     def _average_last_saves(self) -> None:
         """Rank 0 alone (no collective here): validation.average_last_saves."""

@@ -47,14 +47,17 @@ def validate(
     train: TrainConfig,
     decode: DecodeConfig,
     autocast: AbstractContextManager,
+    between_batches: Callable[[], None] = lambda: None,
 ) -> ValidationResult:
     """Validation NLL per target token, and BLEU/chrF of at most train.valid_max_sentences translations
-    (beam train.valid_beam, never sampled, the other decode settings as given)."""
+    (beam train.valid_beam, never sampled, the other decode settings as given). `between_batches` is
+    called before each batch: an exception from it drops the validation (a stop request)."""
     device = next(model.parameters()).device
     model.eval()
     nll, tokens = 0.0, 0
     with autocast:  # the validation batches are the same every time: their shapes repeat
         for indices in epoch_batches(data.valid, max_tokens=train.max_tokens, seed=0, epoch=0):
+            between_batches()
             batch = make_batch(data.valid, indices).to(device)
             rows = model(batch.src, batch.tgt_in, batch.target_positions, output_layer=False)
             nll += output_layer_loss(rows, model.output_proj.weight, batch.targets, 0.0).item()
@@ -64,7 +67,9 @@ def validate(
     count = min(train.valid_max_sentences, len(data.valid_text))
     searched = dataclasses.replace(decode, beam=train.valid_beam, sample=False)
     translator = Translator.from_model(model, tokenizer, searched)
-    evaluation = translate_and_score(translator, data.valid_text.src[:count], data.valid_text.tgt[:count])
+    evaluation = translate_and_score(
+        translator, data.valid_text.src[:count], data.valid_text.tgt[:count], on_batch=lambda done: between_batches()
+    )
     return ValidationResult(nll / max(tokens, 1), evaluation.scores, evaluation.hypotheses)
 
 

@@ -317,6 +317,56 @@ def test_an_interrupted_run_saves_its_last_update_and_resumes_as_the_uninterrupt
         assert torch.equal(ours.ema[name], tensor), name
 
 
+@pytest.mark.slow
+def test_a_validation_cut_short_by_a_signal_is_made_first_by_the_resumed_run(tmp_path, tiny_data, monkeypatch):
+    """SIGTERM while step 6 validates: the validation is dropped between its batches rather than
+    awaited, step 6 is saved with it due, and the resumed run validates step 6 first: its validations,
+    best.pt and weights are the uninterrupted run's."""
+    import seq2seq.training.trainer as trainer
+    from seq2seq.cli.boundary import Terminated, _sigterm_raises
+    from seq2seq.config_files import config_from_dict
+    from seq2seq.training.trainer import Trainer
+
+    from ..conftest import make_trainer
+
+    settings = dict(max_steps=12, save_every=4, valid_every=6, ema_decay=0.99)
+    straight = make_trainer(tmp_path, tiny_data, "straight", **settings)
+    straight.run()
+    real_validate, batches = trainer.validate, []
+
+    def signalled_validate(*args, between_batches, **kwargs):
+        def counted():
+            batches.append(1)
+            if len(batches) == 2:  # the first batch done: SIGTERM, and no batch after it
+                os.kill(os.getpid(), signal.SIGTERM)
+            between_batches()
+
+        return real_validate(*args, between_batches=counted, **kwargs)
+
+    monkeypatch.setattr(trainer, "validate", signalled_validate)
+    stopped = make_trainer(tmp_path, tiny_data, "stopped", **settings)
+    with _sigterm_raises(), pytest.raises(Terminated):
+        stopped.run()
+    assert len(batches) == 2
+    saved = Checkpoint.load(tmp_path / "stopped" / "checkpoints" / "last.pt")
+    assert saved.progress.step == 6 and saved.progress.validation_due and saved.interrupted
+    assert not [r for r in stopped.metrics.read() if r["kind"] == "valid"]
+    assert not (tmp_path / "stopped" / "checkpoints" / "best.pt").exists()
+
+    monkeypatch.undo()
+    raw = tiny_config_dict(tiny_data, **settings)
+    resumed = Trainer(config_from_dict(raw, origin="test"), tmp_path / "stopped", resume=True, show_progress=False)
+    resumed.run()
+    validations = [[(r["step"], r["bleu"]) for r in run.metrics.read() if r["kind"] == "valid"]
+                   for run in (resumed, straight)]  # fmt: skip
+    assert validations[0] == validations[1] and [step for step, _ in validations[0]] == [6, 12]
+    for name in ("best.pt", "last.pt"):
+        ours, theirs = (Checkpoint.load(tmp_path / run / "checkpoints" / name) for run in ("stopped", "straight"))
+        assert ours.progress.step == theirs.progress.step and not ours.progress.validation_due
+        for key, tensor in theirs.model.items():
+            assert torch.equal(ours.model[key], tensor), (name, key)
+
+
 def test_a_second_signal_stops_the_run_at_once(tmp_path, tiny_data, monkeypatch):
     """Ctrl-C, then SIGTERM in the same update: the second is not deferred; it stops the run as a SIGTERM
     does (Terminated, the CLI's exit 143), and nothing is saved past the last periodic save."""
