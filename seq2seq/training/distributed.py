@@ -60,15 +60,15 @@ class DistributedContext:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def rank_zero_number(self, value: float) -> float:
-        """Rank 0's number on every rank, over the host (no GPU is waited for): a cheap collective
+    def rank_zero_numbers(self, *values: float) -> list[float]:
+        """Rank 0's numbers on every rank, over the host (no GPU is waited for): a cheap collective
         that an update can afford, e.g. rank 0's training clock, so that every rank sets the same
         learning rate and stops at the same step."""
         if not self.enabled:
-            return value
-        tensor = torch.tensor([value], dtype=torch.float64)
+            return list(values)
+        tensor = torch.tensor(values, dtype=torch.float64)
         dist.broadcast(tensor, src=0, group=self.host_group)
-        return float(tensor.item())
+        return tensor.tolist()
 
     def gather(self, value: Any) -> list[Any]:
         """Every rank's value, in rank order, on every rank."""

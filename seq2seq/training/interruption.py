@@ -7,9 +7,11 @@ often many minutes), and an update cut halfway cannot be saved at all. Preempted
 SLURM jobs get SIGTERM and a grace period before they are killed, which this uses; Marian saves and
 exits on SIGTERM the same way (its `--sigterm save-and-exit`).
 
-One process only: the ranks of a torchrun job would have to agree on the update to stop after, and
-torchrun sends its workers a signal of its own after the user's, which would count as the second.
-They stop at once, as before, and keep the last periodic save.
+Under torchrun every rank records its signals, and rank 0's decides: the trainer shares it with the
+clock it already shares after each update, and with a validation's outcome, so that all ranks stop
+after the same update and save it together. There a signal again does not stop a rank at once:
+torchrun passes the user's signal on to its workers, who may have had it from the terminal already,
+and ends them itself when they outlast its grace period (30 s).
 """
 
 from __future__ import annotations
@@ -29,12 +31,14 @@ class StopRequested(BaseException):
 
 
 class StopRequests:
-    """While entered, in the main thread of a single-process run, the first SIGINT or SIGTERM is only
-    recorded (`requested`); `deliver` then does what the signal would have done. A signal ignored
+    """While entered, in the main thread, the first SIGINT or SIGTERM is only recorded (`requested`);
+    `deliver` then does what the signal would have done. With `again_stops_at_once` (one process) a
+    second signal is delivered at once; otherwise (torchrun's ranks) it is ignored. A signal ignored
     when the block begins (a background job's SIGINT, `nohup`) stays ignored."""
 
-    def __init__(self, *, enabled: bool) -> None:
-        self.enabled = enabled
+    def __init__(self, *, again_stops_at_once: bool, announce: bool = True) -> None:
+        self.again_stops_at_once = again_stops_at_once
+        self.announce = announce  # the warning line: rank 0's alone
         self.received: int | None = None  # the first signal's number
         self._previous: dict[int, object] = {}  # the handlers to give back
 
@@ -49,7 +53,7 @@ class StopRequests:
             raise StopRequested
 
     def __enter__(self) -> StopRequests:
-        if self.enabled and threading.current_thread() is threading.main_thread():
+        if threading.current_thread() is threading.main_thread():
             for number in STOP_SIGNALS:
                 previous = signal.getsignal(number)
                 if previous is not signal.SIG_IGN:
@@ -65,19 +69,19 @@ class StopRequests:
             signal.signal(number, previous)
 
     def _record(self, number: int, frame) -> None:
-        if self.received is not None:  # the second: what the first would have done, now
-            self.deliver(number)
+        if self.received is not None:  # the second: what the first would have done, now (one process)
+            if self.again_stops_at_once:
+                self.deliver(number)
             return
         self.received = number
-        log.warning(
-            "%s: the run stops once this update ends and its checkpoint is saved (send it again to stop at once)",
-            signal.Signals(number).name,
-        )
+        if self.announce:
+            again = " (send it again to stop at once)" if self.again_stops_at_once else ""
+            name = signal.Signals(number).name
+            log.warning("%s: the run stops once this update ends and its checkpoint is saved%s", name, again)
 
-    def deliver(self, number: int | None = None) -> None:
-        """Hand the signal (the first one recorded, unless `number`) to the handler it would have met:
-        Python's KeyboardInterrupt for Ctrl-C, the CLI's Terminated for SIGTERM, or the default action."""
-        number = self.received if number is None else number
+    def deliver(self, number: int) -> None:
+        """Hand signal `number` to the handler it would have met: Python's KeyboardInterrupt for Ctrl-C,
+        the CLI's Terminated for SIGTERM, or the default action."""
         previous = self._previous.get(number, signal.SIG_DFL)
         self._restore()
         if callable(previous):

@@ -150,7 +150,9 @@ class Trainer:
         self.skipped = SkippedUpdates(self.device)
         self.rss_peaks = PeakRss()
         self.metrics = MetricsLog(self.run_dir.metrics, tensorboard=self.dist.is_main)
-        self.stops = StopRequests(enabled=not self.dist.enabled)  # interruption.py: why one process only
+        # Ctrl-C and SIGTERM (interruption.py); rank 0's, shared after each update and validation, stops them all
+        self.stops = StopRequests(again_stops_at_once=not self.dist.enabled, announce=self.dist.is_main)
+        self.stop_signal = 0  # the signal that stops the run after this update, the same on every rank (0: none)
         self._interrupted_save: Path | None = None  # saved at an interruption: the next save replaces it
         if resumed is not None:
             self._restore(resumed, resumed_path)
@@ -205,15 +207,16 @@ class Trainer:
                             self._validate()
                         self._save()
             bar.close()
-            if self.dist.is_main and tc.average_last and not self.stops.requested:
+            if self.dist.is_main and tc.average_last and not self.stop_signal:
                 self._average_last_saves()
         # Leave together, once rank 0 has written the last checkpoint: a gloo rank that tore its group
         # down meanwhile sometimes aborted at exit in two-rank CPU runs (rarely with this barrier).
         dist.barrier()
-        if self.stops.requested:
-            saved = self._interrupted_save or self.run_dir.latest_checkpoint()
-            log.warning("interrupted at step %d; saved %s", progress.step, saved)
-            self.stops.deliver()
+        if self.stop_signal:
+            if self.dist.is_main:
+                saved = self._interrupted_save or self.run_dir.latest_checkpoint()
+                log.warning("interrupted at step %d; saved %s", progress.step, saved)
+            self.stops.deliver(self.stop_signal)
         log.info("stopped after %d steps: %s", progress.step, stop_reason)
         return TrainResult(dataclasses.replace(progress), self.run_dir.checkpoints / LAST, stop_reason)
 
@@ -277,7 +280,11 @@ class Trainer:
         self.last_step = step
         # ranks read their own clocks; rank 0's is the run's, from the first update on, so that
         # every rank computes the same budget share (learning rate) and stops at the same step
-        progress.train_seconds = dist.rank_zero_number(progress.train_seconds + time.perf_counter() - started)
+        # (and rank 0's stop request, so that every rank stops after this update if rank 0 was asked to)
+        progress.train_seconds, stop = dist.rank_zero_numbers(
+            progress.train_seconds + time.perf_counter() - started, self.stops.received or 0
+        )
+        self.stop_signal = self.stop_signal or int(stop)
         return step, sum(batch.num_tokens for batch in mine)
 
     def _after_update(self, bar: tqdm, window: LogWindow) -> str:
@@ -295,7 +302,7 @@ class Trainer:
             self._validate()  # the final weights (at the floor of a budgeted schedule) may be the best
         if progress.step % tc.save_every == 0 or stop_reason:
             self._save()
-        elif self.stops.requested:  # off the save grid: a checkpoint to resume from, which the next save replaces
+        elif self.stop_signal:  # off the save grid: a checkpoint to resume from, which the next save replaces
             self._save(interrupted=True)
         return stop_reason or self._interruption()
 
@@ -366,9 +373,10 @@ class Trainer:
             else:
                 progress.validation_due = False
                 self._record_validation(result, averaged)
-        progress.best_bleu, progress.stale_validations = self.dist.broadcast(
-            (progress.best_bleu, progress.stale_validations)
+        progress.best_bleu, progress.stale_validations, stop = self.dist.broadcast(
+            (progress.best_bleu, progress.stale_validations, self.stops.received or 0)
         )
+        self.stop_signal = self.stop_signal or stop  # a validation rank 0 dropped: every rank stops here
 
     def _record_validation(self, result: ValidationResult, averaged: ValidationResult | None) -> None:
         """Best BLEU, patience count, log lines, metrics and best.pt for a validation's results."""
@@ -413,7 +421,7 @@ class Trainer:
     def _interruption(self) -> str:
         """Why the run stops when Ctrl-C or SIGTERM asked it to ("" if neither did); a stop rule met by the
         same update comes first, so that the run ends as its budget says and is saved as such."""
-        return f"interrupted ({signal.Signals(self.stops.received).name})" if self.stops.requested else ""
+        return f"interrupted ({signal.Signals(self.stop_signal).name})" if self.stop_signal else ""
 
     def _rng_states(self) -> list[torch.Tensor]:
         """Every rank's dropout RNG state (a collective: all ranks call it together)."""

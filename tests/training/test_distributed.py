@@ -137,3 +137,59 @@ def test_cuda_asked_for_without_a_gpu_is_one_clear_error(monkeypatch):
     assert not cuda_chosen("auto", local_rank=0)
     with pytest.raises(UserInputError, match="train.device: cuda, but torch sees no CUDA GPU"):
         cuda_chosen("cuda", local_rank=0)
+
+
+def _train_signalled(rank: int, port: int, raw: dict, run_dir: Path, resume: bool, signal_at: int) -> None:
+    """One rank of a two-rank run; rank 0 alone gets SIGINT during update `signal_at` (0: never), and
+    each rank writes the step it ended at and how ("interrupted" or "finished")."""
+    import signal
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))  # fmt: skip
+    import seq2seq.training.trainer as trainer
+    from seq2seq.config_files import config_from_dict
+    from seq2seq.training.distributed import shutdown_distributed
+
+    real_step, calls = trainer.train_step, []
+
+    def signalled_step(*args, **kwargs):
+        calls.append(1)
+        if rank == 0 and len(calls) == signal_at:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_step(*args, **kwargs)
+
+    trainer.train_step = signalled_step
+    torch.set_num_threads(1)
+    run = trainer.Trainer(config_from_dict(raw, origin="test"), run_dir, resume=resume, show_progress=False)
+    try:
+        run.run()
+        ended = "finished"
+    except KeyboardInterrupt:
+        ended = "interrupted"
+    shutdown_distributed()
+    (run_dir / f"ended-{rank}.json").write_text(json.dumps({"how": ended, "step": run.progress.step}))
+
+
+def test_two_ranks_stop_together_after_rank_zeros_signal_and_resume_exactly(tmp_path, tiny_data):
+    """Ctrl-C reaches rank 0 alone during update 4 (between saves): both ranks end that update, save
+    it together and stop as interrupted; resumed, the run ends as the uninterrupted one does."""
+    import torch.multiprocessing as mp
+
+    raw = tiny_config_dict(tiny_data, max_steps=6, save_every=5, valid_every=100, threads=1, device="cpu")
+
+    def spawn(run_dir: Path, *, resume: bool = False, signal_at: int = 0) -> list[dict]:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        mp.spawn(_train_signalled, args=(port, raw, run_dir, resume, signal_at), nprocs=2, join=True)
+        return [json.loads((run_dir / f"ended-{rank}.json").read_text()) for rank in (0, 1)]
+
+    assert spawn(tmp_path / "straight") == [{"how": "finished", "step": 6}] * 2
+    assert spawn(tmp_path / "stopped", signal_at=4) == [{"how": "interrupted", "step": 4}] * 2
+    saved = Checkpoint.load(tmp_path / "stopped" / "checkpoints" / "last.pt")
+    assert saved.progress.step == 4 and saved.interrupted and len(saved.rng.torch) == 2
+    assert spawn(tmp_path / "stopped", resume=True) == [{"how": "finished", "step": 6}] * 2
+    straight, resumed = final_parameters(tmp_path / "straight"), final_parameters(tmp_path / "stopped")
+    for name, tensor in straight.items():
+        assert torch.equal(resumed[name], tensor), name
+
