@@ -160,7 +160,8 @@ def user_errors(command):
             raise
         except (KeyboardInterrupt, Terminated) as stop:
             hint = INTERRUPTED_HINTS.get(command.__name__)
-            typer.echo(f"interrupted; {hint}" if hint else "interrupted", err=True)
+            if int(os.environ.get("RANK", "0")) == 0:  # torchrun's other workers: one line is enough
+                typer.echo(f"interrupted; {hint}" if hint else "interrupted", err=True)
             raise typer.Exit(143 if isinstance(stop, Terminated) else 130) from None
         except BrokenPipeError:  # the reader of stdout stopped (`| head`): stop quietly, as Unix tools do
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot fail again

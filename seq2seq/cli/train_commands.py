@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ from typing import Annotated, Optional
 import typer
 
 from seq2seq.cli.app import ConfigArg, RunDirOption, SetOption, app, tokenizer_app
-from seq2seq.cli.boundary import user_errors
+from seq2seq.cli.boundary import Terminated, user_errors
 
 
 def _run_dir(config_path: Path, run_dir: Path | None) -> Path:
@@ -84,7 +85,11 @@ def train(
 
 
 def _launch_torchrun(nproc: int, config: Path, overrides: list[str], run_dir: Path, resume: bool, quiet: bool) -> int:
-    """Run this same training under torchrun on this machine; returns its exit code."""
+    """Run this same training under torchrun on this machine; returns its exit code.
+
+    Ctrl-C or SIGTERM here is passed on to torchrun, which passes it to its workers: they save the
+    update under way and stop (training/interruption.py), and this process waits for them. Killing
+    torchrun instead (subprocess.run's way) left its workers training on, orphaned, holding the run."""
     command = [
         sys.executable,
         "-m",
@@ -102,7 +107,13 @@ def _launch_torchrun(nproc: int, config: Path, overrides: list[str], run_dir: Pa
         command += ["--set", item]
     if quiet:
         command.append("--quiet")
-    return subprocess.run(command, check=False).returncode
+    torchrun = subprocess.Popen(command)
+    try:
+        return torchrun.wait()
+    except (KeyboardInterrupt, Terminated) as stop:
+        torchrun.send_signal(signal.SIGINT if isinstance(stop, KeyboardInterrupt) else signal.SIGTERM)
+        torchrun.wait()
+        raise
 
 
 @app.command()

@@ -193,3 +193,30 @@ def test_two_ranks_stop_together_after_rank_zeros_signal_and_resume_exactly(tmp_
     for name, tensor in straight.items():
         assert torch.equal(resumed[name], tensor), name
 
+
+def test_sigterm_to_a_multi_process_training_saves_it_and_leaves_no_worker_behind(tmp_path, config):
+    """`seq2seq train --nproc 2` stopped by SIGTERM (a `timeout`, a container's stop) once it trains: the
+    signal reaches torchrun's workers, which save the update under way although no save was due, and the
+    command ends with them, 143. Its torchrun was killed before: the workers trained on, orphaned,
+    holding the run directory, which a resume right after the command ended now takes."""
+    import signal
+    import time
+
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "seq2seq", "train", str(config), "--quiet", "--run-dir", str(run_dir),
+               "--nproc", "2", "--set", "train.max_steps=100000", "--set", "train.save_every=100000",
+               "--set", "train.log_every=1"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 240
+    while not (metrics.exists() and metrics.read_text().count("\n")):  # the event: an update has been logged
+        assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    stderr = process.communicate(timeout=120)[1]  # the workers hold stderr too: all of them have ended
+    assert process.returncode == 143, stderr
+    saved = Checkpoint.load(run_dir / "checkpoints" / "last.pt")
+    assert saved.progress.step >= 1 and saved.interrupted and len(saved.rng.torch) == 2
+    assert stderr.count("interrupted; the last checkpoint is kept") == 2  # rank 0's and the command's
+    step = saved.progress.step
+    train(config, run_dir, "--resume", "--set", f"train.max_steps={step + 1}")  # nothing holds the run
