@@ -4,6 +4,11 @@ An entry is keyed by what determines its content: the corpus's identity (sources
 its settings, each local data file's path, size and modification time, every file of a dataset
 folder, a hub dataset's fingerprint), the tokenizer models and the length filters. A changed file or
 tokenizer gives a new key; entries are written to a temporary folder and renamed into place.
+
+That identity is cheap to take but changes with more than the text: a corpus moved, copied without
+its times (another machine, `rsync` without -t) or converted to another format misses its entry. So
+each entry is also named by its text (`text-KEY` files: the digest of the pairs as read, with the
+same tokenizer and filters), which a miss reads the corpus once to compute, far faster than encoding.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from seq2seq.config import CorpusConfig
 from seq2seq.data.encoded import EncodedCorpus
 from seq2seq.data.sources import corpus_identity
 from seq2seq.data.tokenizer import Tokenizer
-from seq2seq.files import remove_stale_temporaries, temporary_path
+from seq2seq.files import remove_stale_temporaries, temporary_path, write_text_atomic
 
 CACHE_VERSION = 4  # 2: raw .bin id files, appended chunk by chunk; 3: content identity of dataset folders;
 # 4: the report holds the text's digest (prepare.TrainingData.text_digest) and its share of unknown pieces;
@@ -28,12 +33,42 @@ CACHE_VERSION = 4  # 2: raw .bin id files, appended chunk by chunk; 3: content i
 
 
 def cache_key(corpus: CorpusConfig, *, tokenizer: Tokenizer, settings: dict, key: str = "data.train") -> str:
+    return _key({"corpus": corpus_identity(corpus, key), **settings}, tokenizer)
+
+
+def text_key(text_digest: str, *, tokenizer: Tokenizer, settings: dict) -> str:
+    """An entry's name by its text (prepare.TrainingData.text_digest) rather than its files."""
+    return _key({"text": text_digest, **settings}, tokenizer)
+
+
+def _key(description: dict, tokenizer: Tokenizer) -> str:
     digest = hashlib.sha256()
-    description = {"version": CACHE_VERSION, "corpus": corpus_identity(corpus, key), **settings}
-    digest.update(json.dumps(description, sort_keys=True).encode())
+    digest.update(json.dumps({"version": CACHE_VERSION, **description}, sort_keys=True).encode())
     for name, proto in sorted(tokenizer.protos().items()):
         digest.update(name.encode() + proto)
     return digest.hexdigest()[:24]
+
+
+def names_by_text(folder: Path) -> bool:
+    """Whether any entry in `folder` is named by its text: only then is a miss worth reading the text for."""
+    return folder.is_dir() and any(folder.glob(f"{_TEXT_PREFIX}*"))
+
+
+def entry_by_text(folder: Path, key: str) -> Path | None:
+    """The entry of `folder` named by text key `key`, if there is one and it is whole."""
+    name = folder / f"{_TEXT_PREFIX}{key}"
+    entry = folder / name.read_text().strip() if name.is_file() else None
+    return entry if entry is not None and (entry / "report.json").is_file() else None
+
+
+def name_by_text(folder: Path, key: str, entry: Path) -> None:
+    """Name `entry` by its text key `key` (kept if it is already)."""
+    name = folder / f"{_TEXT_PREFIX}{key}"
+    if not name.is_file() or name.read_text().strip() != entry.name:
+        write_text_atomic(name, entry.name)
+
+
+_TEXT_PREFIX = "text-"
 
 
 def load_cached(entry: Path) -> tuple[EncodedCorpus, dict] | None:

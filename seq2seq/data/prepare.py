@@ -10,9 +10,10 @@ trains on what the uninterrupted one would.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,10 +86,17 @@ def encode_training_split(
 
 
 def _encoded_training_split(
-    data: DataConfig, tokenizer: Tokenizer, *, progress: bool, sampled_seed: int | None
+    data: DataConfig,
+    tokenizer: Tokenizer,
+    *,
+    progress: bool,
+    sampled_seed: int | None,
+    text_digest: Callable[[], str] | None = None,
 ) -> tuple[EncodedCorpus, dict]:
     """encode_training_split's corpus and its report: the counts read, removed and kept, and the text's
-    digest (`text`), kept with a cache entry so that a cached corpus has it without reading the text."""
+    digest (`text`), kept with a cache entry so that a cached corpus has it without reading the text.
+    `text_digest` reads it where the cache has no entry for these files (_text_digest_reader)."""
+    text_digest = text_digest or _text_digest_reader(data, progress)
     report: dict = {}
     sampling = None if sampled_seed is None else SubwordSampling(data.subword_alpha, data.subword_nbest)
     if not data.cache_dir:
@@ -104,16 +112,38 @@ def _encoded_training_split(
     }
     if sampling is not None:
         settings["sampled"] = {"alpha": sampling.alpha, "nbest": sampling.nbest, "seed": sampled_seed}
-    entry = Path(data.cache_dir) / cache.cache_key(data.train, tokenizer=tokenizer, settings=settings)
+    folder = Path(data.cache_dir)
+    entry = folder / cache.cache_key(data.train, tokenizer=tokenizer, settings=settings)
     cached, source = cache.load_cached(entry), f" (from the cache {entry})"
+    if cached is None and cache.names_by_text(folder):  # moved, copied or converted: the same text?
+        same_text = cache.entry_by_text(folder, cache.text_key(text_digest(), tokenizer=tokenizer, settings=settings))
+        if same_text is not None:
+            entry, cached = same_text, cache.load_cached(same_text)
+            source = f" (from the cache {entry}: the same text, encoded before from other files or another format)"
     if cached is None:
-        with cache.new_entry(entry) as folder:
-            write_corpus(folder, _filtered_chunks(data, tokenizer, report, progress, sampling, sampled_seed))
-            cache.write_report(folder, report)
+        with cache.new_entry(entry) as new:
+            write_corpus(new, _filtered_chunks(data, tokenizer, report, progress, sampling, sampled_seed))
+            cache.write_report(new, report)
         cached, source = cache.load_cached(entry), f"; cached in {entry}"
     corpus, report = cached
+    # named by its text too (an entry made before entries were is named at its next use)
+    cache.name_by_text(folder, cache.text_key(report["text"], tokenizer=tokenizer, settings=settings), entry)
     _log_report(report, source)
     return corpus, report
+
+
+def _text_digest_reader(data: DataConfig, progress: bool) -> Callable[[], str]:
+    """The digest of the training split's text (sources.PairCounts), read once when first asked for:
+    what names a cache entry by its text, whatever files or format it came from."""
+
+    @functools.cache
+    def read() -> str:
+        counts = PairCounts.with_digest()
+        for _ in with_progress(stream_split(data, "train", counts), "read data.train", enabled=progress):
+            pass
+        return counts.text_digest()
+
+    return read
 
 
 def _filtered_chunks(
@@ -176,8 +206,11 @@ def prepare_training_data(
     if not data.subword_alpha:
         train, report = _encoded_training_split(data, tokenizer, progress=progress, sampled_seed=None)
         return TrainingData(train, valid, valid_text, text_digest=report["text"])
+    text_digest = _text_digest_reader(data, progress)  # read once for all the variants, if at all
     encoded = [
-        _encoded_training_split(data, tokenizer, progress=progress, sampled_seed=1000 * seed + variant)
+        _encoded_training_split(
+            data, tokenizer, progress=progress, sampled_seed=1000 * seed + variant, text_digest=text_digest
+        )
         for variant in range(data.subword_variants)
     ]
     variants = tuple(corpus for corpus, _ in encoded)

@@ -40,7 +40,7 @@ def test_second_preparation_comes_memory_mapped_from_the_cache(tiny_data, monkey
 def test_a_changed_file_or_filter_misses_the_cache(tiny_data):
     config, tokenizer = make(tiny_data)
     prepare.encode_training_split(config, tokenizer)
-    entries = lambda: {p.name for p in (tiny_data.parent / "cache").iterdir()}  # noqa: E731
+    entries = lambda: {p.name for p in (tiny_data.parent / "cache").iterdir() if p.is_dir()}  # noqa: E731
     before = entries()
     shorter, _ = make(tiny_data, max_length=12)
     assert len(prepare.encode_training_split(shorter, tokenizer)) < 3000
@@ -49,6 +49,35 @@ def test_a_changed_file_or_filter_misses_the_cache(tiny_data):
         other.write("il gat dormar\n")
     assert len(prepare.encode_training_split(config, tokenizer)) == 3001
     assert len(entries()) == len(before) + 2
+
+
+def test_the_same_text_moved_copied_or_converted_is_not_encoded_again(tiny_data, tmp_path, monkeypatch, caplog):
+    """The files' identity (path, size, time) misses after a move, a copy that does not keep times, or a
+    conversion to TSV; the text is read once (no encoding) and the entry encoded from it is taken."""
+    import os
+    import shutil
+
+    config, tokenizer = make(tiny_data)
+    first = prepare.encode_training_split(config, tokenizer)
+    moved = tmp_path / "elsewhere"
+    shutil.copytree(tiny_data, moved)  # another path
+    lines = [(tiny_data / f"train.{lang}").read_text().splitlines() for lang in ("en", "xx")]
+    (moved / "train.tsv").write_text("".join(f"{src}\t{tgt}\n" for src, tgt in zip(*lines)))
+    os.utime(tiny_data / "train.en", ns=(0, 0))  # the same path, another time
+    elsewhere = dataclasses.replace(
+        config, train=dataclasses.replace(config.train, src=str(moved / "train.en"), tgt=str(moved / "train.xx"))
+    )
+    converted = dataclasses.replace(
+        config, train=dataclasses.replace(config.train, format="tsv", path=str(moved / "train.tsv"), src=None, tgt=None)
+    )
+    monkeypatch.setattr(prepare, "encode_chunks", lambda *a: pytest.fail("encoded again: the same text"))
+    for data in (config, elsewhere, converted):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="seq2seq"):
+            again = prepare.encode_training_split(data, tokenizer)
+        assert np.array_equal(first.src.ids, again.src.ids) and np.array_equal(first.tgt.offsets, again.tgt.offsets)
+        assert "the same text, encoded before from other files or another format" in caplog.text
+    assert len([p for p in (tiny_data.parent / "cache").iterdir() if p.is_dir()]) == 1
 
 
 def test_cache_can_be_disabled_and_filters_are_counted(tiny_data, caplog):
