@@ -62,8 +62,8 @@ class DataConfig:
     )
     cache_dir: str = setting(
         ".cache/seq2seq",
-        "encoded training ids are kept here for later and resumed runs, keyed "
-        'by the data files, the tokenizer and the filters; "" disables',
+        "encoded training ids are kept here for later and resumed runs, keyed by the data files (or "
+        'their text, once moved or converted), the tokenizer and the filters; "" disables',
     )
     # subword regularisation (Kudo 2018; BPE-dropout, Provilkov et al. 2020): the training split encoded
     # `subword_variants` times with SentencePiece sampling, one segmentation per epoch, in turn
