@@ -13,6 +13,7 @@ same tokenizer and filters), which a miss reads the corpus once to compute, far 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -62,10 +63,12 @@ def entry_by_text(folder: Path, key: str) -> Path | None:
 
 
 def name_by_text(folder: Path, key: str, entry: Path) -> None:
-    """Name `entry` by its text key `key` (kept if it is already)."""
+    """Name `entry` by its text key `key` (kept if it is already). A cache folder this process may only
+    read (shared, made by another user) keeps its entries unnamed: naming only saves later encodings."""
     name = folder / f"{_TEXT_PREFIX}{key}"
     if not name.is_file() or name.read_text().strip() != entry.name:
-        write_text_atomic(name, entry.name)
+        with contextlib.suppress(OSError):
+            write_text_atomic(name, entry.name)
 
 
 _TEXT_PREFIX = "text-"

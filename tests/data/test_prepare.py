@@ -174,3 +174,19 @@ def test_impossible_subword_settings_are_named(tiny_data, key, value):
     raw["data"][key] = value
     with pytest.raises(UserInputError, match=f"data.{key}"):
         config_from_dict(raw, origin="test")
+
+
+def test_a_cache_this_process_may_only_read_still_serves_its_entries(tiny_data, monkeypatch):
+    """Naming an entry by its text writes beside it; a shared cache that is read-only here keeps
+    serving its entries (a hit wrote nothing before text names)."""
+    config, tokenizer = make(tiny_data)
+    first = prepare.encode_training_split(config, tokenizer)
+    for name in (tiny_data.parent / "cache").glob("text-*"):
+        name.unlink()  # an entry made before entries were named by text
+
+    def read_only(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(args[0]))
+
+    monkeypatch.setattr("seq2seq.data.cache.write_text_atomic", read_only)
+    again = prepare.encode_training_split(config, tokenizer)
+    assert np.array_equal(first.src.ids, again.src.ids)
