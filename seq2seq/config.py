@@ -31,10 +31,23 @@ class CorpusConfig:
     name: str | None = setting(None, "hf: a hub dataset name, e.g. wmt14")
     subset: str | None = setting(None, "hf: the dataset's config name, e.g. de-en")
     split: str | None = setting(
-        None, "hf: which split; data.train reads 'train' if unset, valid and test must name theirs (e.g. validation)"
+        None,
+        "hf: which split; training corpora read 'train' if unset, valid and test must name theirs (e.g. validation)",
+    )
+    weight: float = setting(
+        1.0,
+        "training corpora: how many times an epoch shows each pair (2: twice; 0.5: a random half, another each epoch)",
+        Bound(0.0, low_open=True),
+    )
+    tag: str = setting(
+        "",
+        "training corpora: a token put before every source sentence (e.g. `<bt>` for back-translations); "
+        "also list it in tokenizer.user_defined_symbols",
     )
 
     def problems(self) -> list[tuple[str, str]]:
+        if self.tag and len(self.tag.split()) != 1:
+            return [("tag", f"expected one token without spaces, got {self.tag!r}")]
         if self.format == "text" and not (self.src and self.tgt):
             return [("src", "format 'text' needs both 'src' and 'tgt' files")]
         if self.format in ("tsv", "jsonl") and not self.path:
@@ -54,6 +67,9 @@ class DataConfig:
     train: CorpusConfig = setting(help="the training corpus (a corpus section, required)")
     valid: CorpusConfig = setting(help="the validation corpus (required)")
     test: CorpusConfig | None = setting(None, "a test corpus, for `seq2seq demo` and the benchmarks")
+    extra_train: tuple[CorpusConfig, ...] = setting(
+        (), "more training corpora (a list of corpus sections), mixed with data.train by their weights"
+    )
     src_lang: str = setting("src", "the source language code; selects a language of an HF translation column")
     tgt_lang: str = setting("tgt", "the target language code")
     max_length: int = setting(256, "drop training pairs longer than this many tokens on either side", Bound(1))
@@ -79,7 +95,19 @@ class DataConfig:
     def problems(self) -> list[tuple[str, str]]:
         if self.subword_nbest == 0 or self.subword_nbest < -1:
             return [("subword_nbest", "expected -1 (every segmentation) or an integer >= 1")]
-        return []
+        return [
+            (f"data.{split}.{key}", "only training corpora (data.train, data.extra_train) have one")
+            for split in ("valid", "test")
+            if (corpus := getattr(self, split)) is not None
+            for key, unset in (("weight", 1.0), ("tag", ""))
+            if getattr(corpus, key) != unset
+        ]
+
+    def training_corpora(self) -> list[tuple[str, CorpusConfig]]:
+        """(config key, corpus) of every training corpus, data.train first: the order they are read in."""
+        return [("data.train", self.train)] + [
+            (f"data.extra_train[{index}]", corpus) for index, corpus in enumerate(self.extra_train)
+        ]
 
 
 @dataclass(frozen=True)
@@ -291,7 +319,15 @@ class Config:
     def problems(self) -> list[tuple[str, str]]:
         if self.model.share_embeddings and not self.tokenizer.joint:
             return [("model.share_embeddings", "needs tokenizer.joint: true (one vocabulary)")]
-        return []
+        return [
+            (
+                f"{key}.tag",
+                f"{corpus.tag!r} is not in tokenizer.user_defined_symbols, so the tokenizer would cut it "
+                "into pieces; add it there",
+            )
+            for key, corpus in self.data.training_corpora()
+            if corpus.tag and corpus.tag not in self.tokenizer.user_defined_symbols and " " not in corpus.tag.strip()
+        ]  # a tag of several words is its own section's problem
 
     def to_dict(self) -> dict[str, Any]:
         """Plain YAML-ready data (tuples become lists) for the run directory and checkpoints."""
@@ -302,6 +338,7 @@ class Config:
 # be averaged. Everything else (stop rules, logging, validation, decoding, the learning rate) may change.
 RUN_DEFINING_KEYS = (
     "data.train",
+    "data.extra_train",
     "data.src_lang",
     "data.tgt_lang",
     "data.max_length",
@@ -315,12 +352,20 @@ RUN_DEFINING_KEYS = (
 
 
 def config_differences(first: Config, second: Config) -> dict[str, tuple[Any, Any]]:
-    """Dotted key -> (first value, second value) for every leaf key whose values differ."""
+    """Dotted key -> (first value, second value) for every leaf key whose values differ (None where a
+    list of sections is shorter: data.extra_train[1].src)."""
     flat_first, flat_second = _flatten(first.to_dict()), _flatten(second.to_dict())
+
+    def differs(key: str) -> bool:
+        if key in flat_first and key in flat_second:
+            return flat_first[key] != flat_second[key]
+        # in one config alone: an indexed key, or an empty list whose sections the other lists by index
+        return flat_first.get(key, flat_second.get(key)) != []
+
     return {
         key: (flat_first.get(key), flat_second.get(key))
         for key in sorted(flat_first.keys() | flat_second.keys())
-        if flat_first.get(key) != flat_second.get(key)
+        if differs(key)
     }
 
 
@@ -347,21 +392,26 @@ def architecture_differences(first: Config, second: Config) -> list[str]:
 
 def run_defining_differences(first: Config, second: Config, *, text_compared: bool = False) -> list[str]:
     """The run-defining keys whose values differ. With `text_compared` (the training text's digests are
-    compared instead, checkpoint.train_data), data.train's own keys may differ: a corpus that moved, or
-    the same pairs in another format."""
+    compared instead, checkpoint.train_data), a training corpus's own keys may differ but for its
+    weight, which the text does not show: a corpus that moved, or the same pairs in another format."""
     return [
         key
         for key in config_differences(first, second)
-        if any(key == prefix or key.startswith(prefix + ".") for prefix in RUN_DEFINING_KEYS)
-        and not (text_compared and key.startswith("data.train."))
+        if any(key == prefix or key.startswith((prefix + ".", prefix + "[")) for prefix in RUN_DEFINING_KEYS)
+        and not (text_compared and key.startswith(("data.train.", "data.extra_train[")) and not key.endswith(".weight"))
     ]
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Leaf keys, dotted; the sections in a list (data.extra_train) by their index, data.extra_train[0].src,
+    and an empty list as a leaf (config_differences leaves it out where the other config has sections)."""
     flat: dict[str, Any] = {}
     for key, value in tree.items():
         if isinstance(value, dict):
             flat.update(_flatten(value, f"{prefix}{key}."))
+        elif isinstance(value, list) and value and all(isinstance(item, dict) for item in value):
+            for index, item in enumerate(value):
+                flat.update(_flatten(item, f"{prefix}{key}[{index}]."))
         else:
             flat[f"{prefix}{key}"] = value
     return flat

@@ -40,10 +40,11 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
         raise UserInputError(f"{path}: expected a mapping of sections (data, model, ...) at the top")
     overridden = apply_overrides(raw, overrides)
     config = _build_checked(raw, origin=str(path), overridden=overridden)
+    corpora = [*config.data.training_corpora(), ("data.valid", config.data.valid), ("data.test", config.data.test)]
     missing = [
-        f"{path}: data.{split}.{key}: {problem}: {file}"
-        for split in ("train", "valid", "test")
-        if (corpus := getattr(config.data, split)) is not None
+        f"{path}: {where}.{key}: {problem}: {file}"
+        for where, corpus in corpora
+        if corpus is not None
         for key, file in corpus.files().items()
         if (problem := _data_path_problem(Path(file), folder_allowed=corpus.format == "hf"))
     ]

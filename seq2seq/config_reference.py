@@ -35,7 +35,7 @@ def reference() -> str:
         cls = next((arg for arg in typing.get_args(hints[section.name]) if arg is not type(None)), hints[section.name])
         parts.append(_table(cls, decode=section.name == "decode"))  # an optional section: its dataclass
         if section.name == "data":
-            parts.append("### A corpus (`data.train`, `data.valid`, `data.test`)\n")
+            parts.append("### A corpus (`data.train`, each of `data.extra_train`, `data.valid`, `data.test`)\n")
             parts.append(_table(CorpusConfig))
     return "\n".join(parts)
 
@@ -66,7 +66,7 @@ def _factory_default(item: dataclasses.Field) -> str:
 
 
 def _value(value: Any) -> str:
-    if value is None:
+    if value is None or value == "":
         return "none"
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -80,6 +80,8 @@ def _type(hint: Any) -> str:
     if origin is Literal:
         return " / ".join(f"`{arg}`" for arg in args)
     if origin is tuple:
+        if dataclasses.is_dataclass(args[0]):
+            return "list of corpora"
         return "list of " + ("strings" if args[0] is str else f"{len(args)} numbers")
     if type(None) in args:
         return _type(next(arg for arg in args if arg is not type(None))) + " or none"

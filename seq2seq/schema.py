@@ -88,6 +88,10 @@ def collect_problems(obj: Any, prefix: str, errors: list[tuple[str, str]]) -> No
         value = getattr(obj, f.name)
         if dataclasses.is_dataclass(value):
             collect_problems(value, f"{prefix}{f.name}.", errors)
+        elif isinstance(value, tuple):
+            for index, item in enumerate(value):
+                if dataclasses.is_dataclass(item):
+                    collect_problems(item, f"{prefix}{f.name}[{index}].", errors)
 
 
 def build_dataclass(cls: type, raw: Any, prefix: str, errors: list[tuple[str, str]]) -> Any:
@@ -135,7 +139,9 @@ def _convert(hint: Any, value: Any, key: str, errors: list[tuple[str, str]]) -> 
         variadic = len(args) == 2 and args[1] is Ellipsis
         if isinstance(value, list) and (variadic or len(value) == len(args)):
             kinds = [args[0]] * len(value) if variadic else list(args)
-            return tuple(_convert(kind, item, key, errors) for kind, item in zip(kinds, value))
+            # a list of sections names each by its index: data.extra_train[1].src
+            keys = [f"{key}[{index}]" if dataclasses.is_dataclass(kind) else key for index, kind in enumerate(kinds)]
+            return tuple(_convert(kind, item, where, errors) for kind, item, where in zip(kinds, value, keys))
         size = "a list" if variadic else f"a list of {len(args)} items"
         errors.append((key, f"expected {size}, got {_describe(value)}"))
     elif hint is bool:

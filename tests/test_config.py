@@ -187,3 +187,39 @@ def test_the_python_api_takes_numbers_not_strings_that_parse_as_numbers():
     with pytest.raises(UserInputError, match="decode.beam: expected a number, got '0x10'"):
         decode_config_from(DecodeConfig(), {"beam": "0x10"}, origin="options")
     assert decode_config_from(DecodeConfig(), {"beam": 3, "length_penalty": 1}, origin="options").beam == 3
+
+
+def test_extra_training_corpora_are_checked_each_by_its_index(tmp_path, tiny_data):
+    """A list of corpus sections: each problem names its corpus by index, a tag must be one token the
+    tokenizer keeps whole, and weights and tags belong to training corpora alone."""
+    raw = tiny_config_dict(tiny_data)
+    good = {"src": raw["data"]["train"]["src"], "tgt": raw["data"]["train"]["tgt"]}
+    raw["data"]["extra_train"] = [good, {"format": "tsv", "weight": 0}, {**good, "tag": "<bt>"}, {**good, "tag": "a b"}]
+    raw["data"]["valid"]["weight"] = 2
+    lines = error_of(write(tmp_path, raw)).splitlines()
+    assert [line.split(": ", 2)[1] for line in lines] == [
+        "data.extra_train[2].tag",
+        "data.valid.weight",
+        "data.extra_train[1].weight",
+        "data.extra_train[3].tag",
+    ], lines
+    assert lines[2].endswith("data.extra_train[1].weight: expected a number > 0, got 0.0")
+    assert lines[3].endswith("data.extra_train[3].tag: expected one token without spaces, got 'a b'")
+    raw["data"]["extra_train"] = [good, {**good, "wieght": 2}]
+    assert error_of(write(tmp_path, raw)).endswith(
+        "data.extra_train[1].wieght: unknown key; did you mean 'data.extra_train[1].weight'?"
+    )
+    raw["data"]["extra_train"] = [{"format": "tsv"}]
+    del raw["data"]["valid"]["weight"]
+    assert error_of(write(tmp_path, raw)).endswith("data.extra_train[0].path: format 'tsv' needs 'path'")
+    raw["data"]["extra_train"] = [{**good, "tag": "<bt>"}]
+    assert error_of(write(tmp_path, raw)).endswith(
+        "data.extra_train[0].tag: '<bt>' is not in tokenizer.user_defined_symbols, so the tokenizer would cut it "
+        "into pieces; add it there"
+    )
+    raw["tokenizer"]["user_defined_symbols"] = ["<bt>"]
+    raw["data"]["extra_train"] = [{"src": str(tmp_path / "bt.en"), "tgt": good["tgt"], "tag": "<bt>"}]
+    path = write(tmp_path, raw)
+    assert error_of(path) == f"{path}: data.extra_train[0].src: file not found: {tmp_path / 'bt.en'}"
+    config = load_config(path, [f"data.extra_train=[{{src: {good['src']}, tgt: {good['tgt']}, weight: 0.5}}]"])
+    assert config.data.extra_train[0].weight == 0.5 and config.data.extra_train[0].tag == ""

@@ -83,12 +83,40 @@ def token_batches(lengths: np.ndarray, *, max_tokens: int, order_noise: np.ndarr
     return batches
 
 
-def epoch_batches(corpus: EncodedCorpus, *, max_tokens: int, seed: int, epoch: int) -> list[np.ndarray]:
-    """The training batches of one epoch, in a shuffled order fixed by (seed, epoch)."""
+def epoch_batches(
+    corpus: EncodedCorpus, *, max_tokens: int, seed: int, epoch: int, rows: np.ndarray | None = None
+) -> list[np.ndarray]:
+    """The training batches of one epoch, in a shuffled order fixed by (seed, epoch): of every pair of
+    `corpus`, or of the pairs `rows` lists (weighted_rows: some more than once, some not at all)."""
     rng = np.random.default_rng([seed, epoch])
-    lengths = np.maximum(corpus.src.lengths(), corpus.tgt.lengths() + 1)
+    lengths = np.maximum(corpus.src.lengths(rows), corpus.tgt.lengths(rows) + 1)
     batches = token_batches(lengths, max_tokens=max_tokens, order_noise=rng.random(len(lengths)))
+    if rows is not None:
+        batches = [rows[batch] for batch in batches]
     return [batches[i] for i in rng.permutation(len(batches))]
+
+
+# The draws of weighted_rows come from a generator of their own, so that epoch_batches' order noise
+# and shuffle stay what they are without weights.
+_WEIGHTING_STREAM = 1
+
+
+def weighted_rows(sizes: Sequence[int], weights: Sequence[float], *, seed: int, epoch: int) -> np.ndarray | None:
+    """The rows an epoch trains on, of a corpus made of consecutive parts of `sizes` pairs (the training
+    corpora), part i shown `weights[i]` times: every pair once per whole time, then a random share of
+    them for the fraction, another share each epoch, drawn under (seed, epoch) so that a resumed run
+    draws what the uninterrupted one did. None where every weight is 1: each pair once, as without parts."""
+    if all(weight == 1 for weight in weights):
+        return None
+    rng = np.random.default_rng([seed, epoch, _WEIGHTING_STREAM])
+    chosen, start = [], 0
+    for size, weight in zip(sizes, weights, strict=True):
+        rows = np.arange(start, start + size, dtype=np.int64)
+        whole, share = divmod(weight, 1.0)
+        chosen += [rows] * int(whole)
+        chosen.append(np.sort(rng.choice(rows, size=round(share * size), replace=False)))
+        start += size
+    return np.concatenate(chosen)
 
 
 def make_batch(corpus: EncodedCorpus, indices: np.ndarray) -> Batch:

@@ -1,6 +1,6 @@
 """On-disk cache of encoded training data, so a second or resumed run skips reading and encoding.
 
-An entry is keyed by what determines its content: the corpus's identity (sources.corpus_identity:
+An entry is keyed by what determines its content: each training corpus's identity (sources.corpus_identity:
 its settings, each local data file's path, size and modification time, every file of a dataset
 folder, a hub dataset's fingerprint), the tokenizer models and the length filters. A changed file or
 tokenizer gives a new key; entries are written to a temporary folder and renamed into place.
@@ -33,8 +33,11 @@ CACHE_VERSION = 4  # 2: raw .bin id files, appended chunk by chunk; 3: content i
 # a sampled entry's, since, its segmentation's digest too (entries without it are compared with nothing)
 
 
-def cache_key(corpus: CorpusConfig, *, tokenizer: Tokenizer, settings: dict, key: str = "data.train") -> str:
-    return _key({"corpus": corpus_identity(corpus, key), **settings}, tokenizer)
+def cache_key(corpora: list[tuple[str, CorpusConfig]], *, tokenizer: Tokenizer, settings: dict) -> str:
+    """An entry's name by the files of the training corpora, (config key, corpus) in the order read."""
+    identities = [corpus_identity(corpus, key) for key, corpus in corpora]
+    described = {"corpus": identities[0]} if len(identities) == 1 else {"corpora": identities}  # one: as before
+    return _key({**described, **settings}, tokenizer)
 
 
 def text_key(text_digest: str, *, tokenizer: Tokenizer, settings: dict) -> str:

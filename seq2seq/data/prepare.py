@@ -21,6 +21,7 @@ import numpy as np
 
 from seq2seq.config import DataConfig
 from seq2seq.data import cache
+from seq2seq.data.batching import weighted_rows
 from seq2seq.data.encoded import (
     SIDES,
     EncodedCorpus,
@@ -53,17 +54,48 @@ class TrainingData:
     # with subword sampling, a digest of each variant's pieces: a variant sampled again (no cache) by
     # another SentencePiece version may differ, and a resumed run says so (run_dir.warn_if_resampled)
     segmentations: tuple[str, ...] = ()
+    weights: tuple[float, ...] = (1.0,)  # of each training corpus: data.train, then data.extra_train's
+    # the pairs each corpus kept, one after another in the encoded split: of `train`, or of each variant
+    # (sampled segmentations have other lengths, so the length filters may keep other pairs)
+    corpus_sizes: tuple[tuple[int, ...], ...] = ()
 
     def train_for_epoch(self, epoch: int) -> EncodedCorpus:
         """The training split as epoch `epoch` (1 = the first) sees it."""
-        return self.variants[(epoch - 1) % len(self.variants)] if self.variants else self.train
+        return self.variants[self._variant(epoch)] if self.variants else self.train
+
+    def rows_for_epoch(self, epoch: int, *, seed: int) -> np.ndarray | None:
+        """The pairs of train_for_epoch(epoch) that epoch trains on, by the corpora's weights
+        (batching.weighted_rows); None for every pair once."""
+        if not self.corpus_sizes:
+            return None
+        sizes = self.corpus_sizes[self._variant(epoch) if self.variants else 0]
+        return weighted_rows(sizes, self.weights, seed=seed, epoch=epoch)
+
+    def _variant(self, epoch: int) -> int:
+        return (epoch - 1) % len(self.variants)
 
 
 def stream_split(data: DataConfig, split: str, counts: PairCounts | None = None) -> Iterator[tuple[str, str]]:
-    """The split's non-empty pairs, read lazily."""
+    """The split's non-empty pairs, read lazily; for "train", every training corpus's in turn."""
+    if split == "train":
+        return stream_training_pairs(data, counts)
     return iter_pairs(
         getattr(data, split), src_lang=data.src_lang, tgt_lang=data.tgt_lang, key=f"data.{split}", counts=counts
     )
+
+
+def stream_training_pairs(
+    data: DataConfig, counts: PairCounts | None = None, starts: list[int] | None = None
+) -> Iterator[tuple[str, str]]:
+    """The pairs of data.train, then of each of data.extra_train, tags put before their sources; as each
+    corpus begins, `starts` gets the number of pairs read before it (a kept pair's corpus, by position)."""
+    counts = counts if counts is not None else PairCounts()
+    for index, (key, corpus) in enumerate(data.training_corpora()):
+        if index:
+            counts.begin_corpus(index)
+        if starts is not None:
+            starts.append(counts.kept)
+        yield from iter_pairs(corpus, src_lang=data.src_lang, tgt_lang=data.tgt_lang, key=key, counts=counts)
 
 
 def read_split(data: DataConfig, split: str) -> ParallelText:
@@ -103,7 +135,7 @@ def _encoded_training_split(
         corpus = EncodedCorpus.concatenate(
             list(_filtered_chunks(data, tokenizer, report, progress, sampling, sampled_seed))
         )
-        _log_report(report, "")
+        _log_report(report, "", data)
         return corpus, report
     settings = {
         "langs": [data.src_lang, data.tgt_lang],
@@ -113,7 +145,7 @@ def _encoded_training_split(
     if sampling is not None:
         settings["sampled"] = {"alpha": sampling.alpha, "nbest": sampling.nbest, "seed": sampled_seed}
     folder = Path(data.cache_dir)
-    entry = folder / cache.cache_key(data.train, tokenizer=tokenizer, settings=settings)
+    entry = folder / cache.cache_key(data.training_corpora(), tokenizer=tokenizer, settings=settings)
     cached, source = cache.load_cached(entry), f" (from the cache {entry})"
     if cached is None and cache.names_by_text(folder):  # moved, copied or converted: the same text?
         same_text = cache.entry_by_text(folder, cache.text_key(text_digest(), tokenizer=tokenizer, settings=settings))
@@ -128,7 +160,7 @@ def _encoded_training_split(
     corpus, report = cached
     # named by its text too (an entry made before entries were is named at its next use)
     cache.name_by_text(folder, cache.text_key(report["text"], tokenizer=tokenizer, settings=settings), entry)
-    _log_report(report, source)
+    _log_report(report, source, data)
     return corpus, report
 
 
@@ -159,11 +191,17 @@ def _filtered_chunks(
     counts, filtered = PairCounts.with_digest(), FilterReport(0, 0, 0)
     pieces, unknown = dict.fromkeys(SIDES, 0), dict.fromkeys(SIDES, 0)
     segmentation = hashlib.sha256()  # of the pieces kept, sentence by sentence
-    pairs = with_progress(stream_split(data, "train", counts), "encode data.train", enabled=progress)
+    starts: list[int] = []  # where each training corpus begins among the pairs read
+    corpora = data.training_corpora()
+    kept_by_corpus, position = np.zeros(len(corpora), np.int64), 0
+    pairs = with_progress(stream_training_pairs(data, counts, starts), "encode data.train", enabled=progress)
     if sampling is not None:
         sampling.seed(sampled_seed)
     for chunk in encode_chunks(tokenizer, pairs, sampling):
         keep, chunk_report = length_filter(chunk, max_length=data.max_length, max_ratio=data.max_length_ratio)
+        corpus_of = np.searchsorted(starts, position + np.arange(len(chunk)), side="right") - 1
+        kept_by_corpus += np.bincount(corpus_of[keep], minlength=len(corpora))
+        position += len(chunk)
         kept = chunk.subset(keep)
         for side in SIDES:
             ids = getattr(kept, side).ids
@@ -174,10 +212,13 @@ def _filtered_chunks(
                 segmentation.update(ids.tobytes())
         yield kept
         filtered += chunk_report
-    if counts.kept == 0:
-        raise UserInputError("data.train: no sentence pairs found (empty file, or every pair had an empty side)")
-    if filtered.kept == 0:
-        raise UserInputError(f"data.train: no sentence pairs left after filtering ({filtered.describe()})")
+    read_by_corpus = np.diff([*starts, counts.kept])
+    for (key, _), read, kept_pairs in zip(corpora, read_by_corpus, kept_by_corpus):
+        if read == 0:
+            raise UserInputError(f"{key}: no sentence pairs found (empty file, or every pair had an empty side)")
+        if kept_pairs == 0:
+            in_all = " in all the training corpora" if len(corpora) > 1 else ""
+            raise UserInputError(f"{key}: no sentence pairs left after filtering ({filtered.describe()}{in_all})")
     report.update(
         read=counts.kept + counts.dropped_empty,
         empty=counts.dropped_empty,
@@ -186,6 +227,7 @@ def _filtered_chunks(
         kept=filtered.kept,
         text=counts.text_digest(),
         unknown={side: unknown[side] / max(pieces[side], 1) for side in SIDES},
+        kept_by_corpus=kept_by_corpus.tolist(),
     )
     if sampling is not None:
         report["segmentation"] = segmentation.hexdigest()
@@ -203,9 +245,12 @@ def prepare_training_data(
     under the seed 1000 * `seed` (the run's) + v."""
     valid_text = valid_text if valid_text is not None else read_split(data, "valid")
     valid = encode_pairs(tokenizer, zip(valid_text.src, valid_text.tgt))
+    mixture = {"weights": tuple(corpus.weight for _, corpus in data.training_corpora())}
     if not data.subword_alpha:
         train, report = _encoded_training_split(data, tokenizer, progress=progress, sampled_seed=None)
-        return TrainingData(train, valid, valid_text, text_digest=report["text"])
+        mixture["corpus_sizes"] = (_corpus_sizes(report),)
+        _log_mixture(data, mixture["corpus_sizes"][0])
+        return TrainingData(train, valid, valid_text, text_digest=report["text"], **mixture)
     text_digest = _text_digest_reader(data, progress)  # read once for all the variants, if at all
     encoded = [
         _encoded_training_split(
@@ -215,14 +260,42 @@ def prepare_training_data(
     ]
     variants = tuple(corpus for corpus, _ in encoded)
     segmentations = tuple(report.get("segmentation", "") for _, report in encoded)  # "": cached before digests
+    mixture["corpus_sizes"] = tuple(_corpus_sizes(report) for _, report in encoded)
+    _log_mixture(data, mixture["corpus_sizes"][0])
     return TrainingData(
-        variants[0], valid, valid_text, variants, text_digest=encoded[0][1]["text"], segmentations=segmentations
+        variants[0],
+        valid,
+        valid_text,
+        variants,
+        text_digest=encoded[0][1]["text"],
+        segmentations=segmentations,
+        **mixture,
     )
 
 
-def _log_report(report: dict, source: str) -> None:
+def _corpus_sizes(report: dict) -> tuple[int, ...]:
+    """The pairs each training corpus kept (an entry cached before several corpora were possible: one)."""
+    return tuple(report.get("kept_by_corpus", [report["kept"]]))
+
+
+def _log_mixture(data: DataConfig, sizes: tuple[int, ...]) -> None:
+    """With several training corpora or a weight: what each brings to an epoch."""
+    corpora = data.training_corpora()
+    if len(corpora) == 1 and corpora[0][1].weight == 1:
+        return
+    parts = [
+        f"{key} {size} pairs x {corpus.weight:g}" + (f" (tagged {corpus.tag})" if corpus.tag else "")
+        for (key, corpus), size in zip(corpora, sizes)
+    ]
+    rows = weighted_rows(sizes, [corpus.weight for _, corpus in corpora], seed=1, epoch=1)  # its length alone
+    shown = sum(sizes) if rows is None else len(rows)
+    log.info("training corpora: %s; an epoch shows %d pairs", ", ".join(parts), shown)
+
+
+def _log_report(report: dict, source: str, data: DataConfig) -> None:
     log.info(
-        "data.train: %d pairs read; removed %d with an empty side, %d too long, %d with a bad length ratio; kept %d%s",
+        "%s: %d pairs read; removed %d with an empty side, %d too long, %d with a bad length ratio; kept %d%s",
+        "data.train and data.extra_train" if data.extra_train else "data.train",
         report["read"],
         report["empty"],
         report["too_long"],

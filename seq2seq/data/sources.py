@@ -55,6 +55,12 @@ class PairCounts:
         if self.hashed is not None:
             self.hashed.update(f"{len(src)}:{src}{len(tgt)}:{tgt}".encode())  # lengths: no two pairs read alike
 
+    def begin_corpus(self, index: int) -> None:
+        """Another training corpus (data.extra_train) begins: its pairs are hashed as its own, so that
+        a pair moved from one corpus to another, which may be weighted otherwise, changes the digest."""
+        if self.hashed is not None:
+            self.hashed.update(f"corpus {index}\n".encode())
+
     def text_digest(self) -> str:
         return self.hashed.hexdigest()
 
@@ -62,7 +68,8 @@ class PairCounts:
 def iter_pairs(
     corpus: CorpusConfig, *, src_lang: str, tgt_lang: str, key: str, counts: PairCounts | None = None
 ) -> Iterator[tuple[str, str]]:
-    """Stream one split's non-empty pairs; `key` (e.g. 'data.train') names the config section in errors."""
+    """Stream one split's non-empty pairs, a training corpus's tag (corpus.tag) put before each source;
+    `key` (e.g. 'data.train') names the config section in errors."""
     counts = counts if counts is not None else PairCounts()
     if corpus.format == "text":
         pairs = _text_pairs(corpus.src, corpus.tgt, key)
@@ -74,6 +81,7 @@ def iter_pairs(
         pairs = _hf_pairs(corpus, src_lang=src_lang, tgt_lang=tgt_lang, key=key)
     for src, tgt in pairs:
         if src and tgt:
+            src = f"{corpus.tag} {src}" if corpus.tag else src
             counts.keep(src, tgt)
             yield src, tgt
         else:
@@ -205,7 +213,11 @@ def corpus_identity(corpus: CorpusConfig, key: str) -> dict:
     size and modification time (every file inside a folder, e.g. a `save_to_disk` dataset, not the
     folder's own times, which a re-save need not change); for a hub dataset, its `datasets`
     fingerprint. Caches and the tokenizer's record of its training data compare these."""
-    identity: dict = {"corpus": dataclasses.asdict(corpus)}
+    settings = dataclasses.asdict(corpus)
+    del settings["weight"]  # how often pairs are shown, not what they are
+    if not corpus.tag:
+        del settings["tag"]  # so an untagged corpus keeps the identity it had before tags existed
+    identity: dict = {"corpus": settings}
     files = corpus.files()
     if files:
         identity["files"] = {name: _path_identity(Path(path)) for name, path in files.items()}
@@ -233,7 +245,8 @@ def _load_hf(corpus: CorpusConfig, key: str):
     import datasets  # imported here: it is slow to import and only this source needs it
 
     def split() -> str:
-        if corpus.split is None and key != "data.train":  # the default would silently read the training split
+        if corpus.split is None and not key.startswith(("data.train", "data.extra_train")):
+            # for valid or test, the default would silently read the training split
             raise UserInputError(f"{key}.split: not set; expected the dataset's split for {key}, e.g. validation")
         return corpus.split or "train"
 

@@ -227,6 +227,8 @@ def _load_or_train_tokenizer(config: Config, run_dir: RunDir, progress: bool) ->
     # read only if a tokenizer has to be trained
     pairs = with_progress(stream_split(config.data, "train"), "tokenizer: read data.train", enabled=progress)
     data = {"langs": [config.data.src_lang, config.data.tgt_lang], **corpus_identity(config.data.train, "data.train")}
+    if config.data.extra_train:  # (without, the record a tokenizer trained before extra_train existed has)
+        data["extra_train"] = [corpus_identity(corpus, key) for key, corpus in config.data.training_corpora()[1:]]
     name = f"data.train ({_corpus_name(config)})"
     return load_or_train_tokenizer(
         run_dir.tokenizer, config.tokenizer, pairs, seed=config.train.seed, data_identity=data, data_name=name
@@ -234,5 +236,6 @@ def _load_or_train_tokenizer(config: Config, run_dir: RunDir, progress: bool) ->
 
 
 def _corpus_name(config: Config) -> str:
-    train = config.data.train
-    return ", ".join(train.files().values()) or str(train.name)
+    """The training corpora's files (or hub names), for messages."""
+    corpora = [corpus for _, corpus in config.data.training_corpora()]
+    return ", ".join(", ".join(corpus.files().values()) or str(corpus.name) for corpus in corpora)

@@ -188,7 +188,8 @@ class Trainer:
             while not stop_reason:
                 self._late_dropout(progress.epoch)
                 corpus = self.data.train_for_epoch(progress.epoch)  # subword sampling: this epoch's segmentation
-                batches = epoch_batches(corpus, max_tokens=tc.max_tokens, seed=tc.seed, epoch=progress.epoch)
+                rows = self.data.rows_for_epoch(progress.epoch, seed=tc.seed)  # the corpora's weights
+                batches = epoch_batches(corpus, max_tokens=tc.max_tokens, seed=tc.seed, epoch=progress.epoch, rows=rows)
                 if len(batches) < per_update:
                     raise UserInputError(f"data.train: {len(batches)} batches per epoch; one update needs {per_update}")
                 while progress.next_batch + per_update <= len(batches) and not stop_reason:

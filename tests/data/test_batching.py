@@ -13,6 +13,7 @@ from seq2seq.data.batching import (
     make_batch,
     padding_fraction,
     token_batches,
+    weighted_rows,
 )
 from seq2seq.data.encoded import EncodedCorpus, RaggedIds
 from seq2seq.data.special_tokens import BOS_ID, EOS_ID, PAD_ID
@@ -80,3 +81,29 @@ def test_batches_round_the_output_rows_up_and_keep_the_real_targets():
     assert batch.num_tokens == len(batch.targets) == 12  # 3 x (3 + EOS)
     assert len(batch.target_positions) == POSITION_MULTIPLE
     assert batch.target_positions[:12].tolist() == list(range(12)) and batch.targets.tolist() == [6, 7, 8, 3] * 3
+
+
+def test_weighted_rows_show_each_corpus_its_weight_times_and_draw_a_fraction_afresh_each_epoch():
+    sizes, weights = (10, 8, 5), (2.0, 0.5, 1.0)
+    assert weighted_rows(sizes, (1.0, 1.0, 1.0), seed=1, epoch=1) is None  # every pair once, as without corpora
+    draws = [weighted_rows(sizes, weights, seed=1, epoch=epoch) for epoch in range(1, 201)]
+    assert np.array_equal(draws[0], weighted_rows(sizes, weights, seed=1, epoch=1))  # a resumed epoch draws alike
+    for rows in draws:
+        counts = np.bincount(rows, minlength=23)
+        assert (counts[:10] == 2).all() and (counts[18:] == 1).all()
+        assert sorted(counts[10:18].tolist()) == [0] * 4 + [1] * 4  # half of the second corpus, none twice
+    halves = {tuple(rows[(rows >= 10) & (rows < 18)]) for rows in draws}
+    assert len(halves) > 50  # another half nearly every epoch
+    shown = np.mean([np.bincount(rows, minlength=23)[10:18] for rows in draws], axis=0)
+    assert np.all(np.abs(shown - 0.5) < 0.15)  # every pair of it in about half the epochs: the draw is fair
+
+
+def test_epoch_batches_over_weighted_rows_cover_exactly_those_rows():
+    rng = np.random.default_rng(1)
+    seqs = [list(rng.integers(4, 50, size=rng.integers(1, 30))) for _ in range(300)]
+    corpus = EncodedCorpus(RaggedIds.from_lists(seqs), RaggedIds.from_lists(seqs))
+    rows = weighted_rows((200, 100), (1.5, 3.0), seed=4, epoch=2)
+    batches = epoch_batches(corpus, max_tokens=300, seed=4, epoch=2, rows=rows)
+    assert sorted(np.concatenate(batches).tolist()) == sorted(rows.tolist())
+    lengths = corpus.src.lengths() + 1
+    assert all(len(batch) * lengths[batch].max() <= 300 for batch in batches)

@@ -190,3 +190,74 @@ def test_a_cache_this_process_may_only_read_still_serves_its_entries(tiny_data, 
     monkeypatch.setattr("seq2seq.data.cache.write_text_atomic", read_only)
     again = prepare.encode_training_split(config, tokenizer)
     assert np.array_equal(first.src.ids, again.src.ids)
+
+
+def split_train(tiny_data, at: int = 2000) -> None:
+    """train.* cut into head.* (its first `at` pairs) and tail.* (the rest)."""
+    for lang in ("en", "xx"):
+        lines = (tiny_data / f"train.{lang}").read_text().splitlines(keepends=True)
+        (tiny_data / f"head.{lang}").write_text("".join(lines[:at]))
+        (tiny_data / f"tail.{lang}").write_text("".join(lines[at:]))
+
+
+def corpus(tiny_data, name: str, **keys) -> dict:
+    return {"src": str(tiny_data / f"{name}.en"), "tgt": str(tiny_data / f"{name}.xx"), **keys}
+
+
+def test_extra_corpora_are_encoded_after_data_train_tagged_and_weighted(tiny_data, monkeypatch, caplog):
+    """Each corpus's pairs in turn, a tagged corpus's sources starting with its tag as one piece (the rest
+    segmented as without it), its size known, so that an epoch shows it by its weight; cached as one."""
+    split_train(tiny_data)
+    raw = tiny_config_dict(tiny_data)
+    raw["data"].update(train=corpus(tiny_data, "head"), extra_train=[corpus(tiny_data, "tail", tag="<bt>", weight=0.5)])
+    raw["tokenizer"]["user_defined_symbols"] = ["<bt>"]
+    config = config_from_dict(raw, origin="test")
+    tokenizer = load_or_train_tokenizer(
+        tiny_data.parent / "tok", config.tokenizer, prepare.stream_split(config.data, "train"), seed=1
+    )
+    with caplog.at_level(logging.INFO, logger="seq2seq"):
+        data = prepare.prepare_training_data(config.data, tokenizer)
+    assert data.corpus_sizes == ((2000, 1000),) and data.weights == (1.0, 0.5)
+    assert "data.train 2000 pairs x 1, data.extra_train[0] 1000 pairs x 0.5 (tagged <bt>); an epoch shows 2500" in (
+        caplog.text
+    )
+    sources = (tiny_data / "train.en").read_text().splitlines()
+    plain = tokenizer.encode_src(sources)
+    for row in (0, 1999, 2000, 2999):
+        ids = data.train.src[row].tolist()
+        if row < 2000:
+            assert ids == plain[row]
+        else:
+            assert tokenizer.tgt_pieces(ids[:2]) == ["▁", "<bt>"] and ids[2:] == plain[row]
+    rows = data.rows_for_epoch(3, seed=1)
+    shown = np.bincount(rows, minlength=3000)
+    assert (shown[:2000] == 1).all() and shown[2000:].sum() == 500 and shown.max() == 1
+    monkeypatch.setattr(prepare, "encode_chunks", lambda *a: pytest.fail("encoded again despite the cache"))
+    again = prepare.prepare_training_data(config.data, tokenizer)
+    assert np.array_equal(again.train.src.ids, data.train.src.ids) and again.corpus_sizes == data.corpus_sizes
+
+
+def test_extra_corpora_at_weight_one_untagged_are_their_files_concatenated(tiny_data):
+    split_train(tiny_data)
+    config, tokenizer = make(tiny_data)
+    whole = prepare.prepare_training_data(config, tokenizer)
+    mixed, _ = make(tiny_data, train=corpus(tiny_data, "head"), extra_train=[corpus(tiny_data, "tail")])
+    parts = prepare.prepare_training_data(mixed, tokenizer)
+    assert np.array_equal(whole.train.src.ids, parts.train.src.ids) and np.array_equal(
+        whole.train.tgt.offsets, parts.train.tgt.offsets
+    )
+    assert parts.rows_for_epoch(1, seed=1) is None  # every pair once: the batches of the concatenated file
+    # the same pairs, but counted in another corpus: a run trained on one is not resumed on the other
+    assert parts.text_digest != whole.text_digest
+
+
+def test_an_extra_corpus_that_is_empty_or_filtered_away_is_named(tiny_data):
+    (tiny_data / "empty.en").write_text("\n\n")
+    (tiny_data / "empty.xx").write_text("\n\n")
+    long_line = " ".join(["word"] * 300) + "\n"
+    (tiny_data / "long.en").write_text(long_line * 3)
+    (tiny_data / "long.xx").write_text(long_line * 3)
+    for name, expected in [("empty", "no sentence pairs found"), ("long", "no sentence pairs left after filtering")]:
+        config, tokenizer = make(tiny_data, extra_train=[corpus(tiny_data, "train"), corpus(tiny_data, name)])
+        with pytest.raises(UserInputError, match=rf"^data.extra_train\[1\]: {expected}"):
+            prepare.prepare_training_data(config, tokenizer)
