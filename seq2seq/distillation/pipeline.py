@@ -44,6 +44,11 @@ def distill(config: Config, run_dir: Path, *, progress: bool = True, echo: Calla
     """Run (or finish) every stage; `echo` says what each stage did, on stderr for the CLI."""
     if config.distill is None:
         raise UserInputError("distill: the config has no distill section; expected one naming the teacher")
+    if config.data.extra_train:
+        raise UserInputError(
+            "data.extra_train: distill trains the student on the teacher's translations of data.train alone; "
+            "expected the corpora to translate in data.train (one corpus), and no data.extra_train"
+        )
     teachers = teacher_paths(config)  # a missing teacher is named before any work
     with RunDir(run_dir).held():  # a second distill there would write every stage over this one's
         return _stages(config, run_dir, teachers, progress=progress, echo=echo)
@@ -81,7 +86,7 @@ def _stages(
 
 def student_config(config: Config, corpus: DistilledCorpus) -> Config:
     """The config the student trains under: data.train is the teacher's translation of it."""
-    train = CorpusConfig(format="text", src=str(corpus.src), tgt=str(corpus.tgt))
+    train = CorpusConfig(format="text", src=str(corpus.src), tgt=str(corpus.tgt), weight=config.data.train.weight)
     return dataclasses.replace(config, data=dataclasses.replace(config.data, train=train), distill=None)
 
 

@@ -195,3 +195,16 @@ def test_a_source_longer_than_the_length_limit_is_not_translated(student_config,
     assert max(teacher.source_lengths(sources)) <= 13  # 12 pieces and the end of sentence
     longer = [line for line in everything if teacher.source_lengths([line])[0] > 13]
     assert longer and not set(longer) & set(sources)
+
+
+def test_extra_training_corpora_are_refused_before_any_work(student_config, tmp_path):
+    """The student learns from the teacher's translations of data.train: a corpus beside it would be
+    left untranslated (or mixed in raw), so it is refused, in one line, and nothing is made."""
+    train = yaml.safe_load(student_config.read_text())["data"]["train"]
+    run_dir = tmp_path / "run"
+    extra = f"data.extra_train=[{{src: {train['src']}, tgt: {train['tgt']}}}]"
+    result = runner.invoke(app, ["distill", str(student_config), "--set", extra, "--run-dir", str(run_dir)])
+    assert result.exit_code == 2, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("error")]
+    assert len(errors) == 1 and "data.extra_train: distill trains the student on the teacher's" in errors[0]
+    assert not run_dir.exists()
