@@ -140,9 +140,9 @@ def _sigterm_raises():
 
 
 # What an interrupted command leaves that a user can go on from, by command (the others: nothing
-# half-written, since every file is written whole or not at all).
+# half-written, since every file is written whole or not at all). A command that knows more (train:
+# the command that resumes its run) sets the interruption's own `hint`.
 INTERRUPTED_HINTS = {
-    "train": "the last checkpoint is kept: continue with --resume RUN_DIR",
     "distill": "finished stages are kept: the same command continues from them",
 }
 
@@ -159,7 +159,7 @@ def user_errors(command):
         except (typer.Exit, typer.Abort):
             raise
         except (KeyboardInterrupt, Terminated) as stop:
-            hint = INTERRUPTED_HINTS.get(command.__name__)
+            hint = getattr(stop, "hint", None) or INTERRUPTED_HINTS.get(command.__name__)
             if int(os.environ.get("RANK", "0")) == 0:  # torchrun's other workers: one line is enough
                 typer.echo(f"interrupted; {hint}" if hint else "interrupted", err=True)
             raise typer.Exit(143 if isinstance(stop, Terminated) else 130) from None

@@ -70,10 +70,14 @@ def train(
 
     cfg = load_config(config, overrides or [])  # validated once here, before any process is launched
     directory = resume if resume is not None else _run_dir(config, run_dir)
-    if nproc > 1 and "WORLD_SIZE" not in os.environ:
-        raise typer.Exit(_launch_torchrun(nproc, config, overrides or [], directory, resume is not None, quiet))
     try:
+        if nproc > 1 and "WORLD_SIZE" not in os.environ:
+            raise typer.Exit(_launch_torchrun(nproc, config, overrides or [], directory, resume is not None, quiet))
         result = Trainer(cfg, directory, resume=resume is not None, show_progress=not quiet).run()
+    except (KeyboardInterrupt, Terminated) as stop:  # the command that continues this run, for the boundary's line
+        again = " with the same --set options" if overrides else ""
+        stop.hint = f"the last checkpoint is kept: continue with `seq2seq train {config} --resume {directory}`{again}"
+        raise
     finally:
         shutdown_distributed()
     if int(os.environ.get("RANK", "0")) == 0:

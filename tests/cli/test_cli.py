@@ -507,8 +507,9 @@ def test_an_interrupted_command_says_what_it_leaves(trained_checkpoint, tiny_con
     monkeypatch.setattr(Trainer, "run", interrupted)
     translation = invoke("translate", "-c", trained_checkpoint[0], input="the cat\n")
     assert translation.exit_code == 130 and translation.stderr.splitlines()[-1] == "interrupted"
-    training = invoke("train", tiny_config_file, "--run-dir", tmp_path / "run")
+    training = invoke("train", tiny_config_file, "--run-dir", tmp_path / "run", "--set", "train.max_steps=9")
     assert training.exit_code == 130
-    assert (
-        training.stderr.splitlines()[-1] == "interrupted; the last checkpoint is kept: continue with --resume RUN_DIR"
+    assert training.stderr.splitlines()[-1] == (
+        f"interrupted; the last checkpoint is kept: continue with `seq2seq train {tiny_config_file} --resume "
+        f"{tmp_path / 'run'}` with the same --set options"
     )

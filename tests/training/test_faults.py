@@ -401,4 +401,6 @@ def test_sigterm_saves_the_run_and_the_command_says_where_it_stopped(tmp_path, t
     (saved,) = numbered_checkpoints(run_dir / "checkpoints")
     step = Checkpoint.load(saved).progress.step
     assert step >= 1 and f"interrupted at step {step}; saved {saved}" in stderr
-    assert stderr.splitlines()[-1] == "interrupted; the last checkpoint is kept: continue with --resume RUN_DIR"
+    assert stderr.splitlines()[-1] == (
+        f"interrupted; the last checkpoint is kept: continue with `seq2seq train {config} --resume {run_dir}`"
+    )
