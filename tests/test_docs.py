@@ -132,6 +132,8 @@ def sandbox(tmp_path_factory, demo_pairs) -> Path:
         for split, pairs in demo_pairs.items():
             for path, suffix in zip(write_pairs(root / folder, split, pairs), (src, tgt)):
                 path.rename(path.with_suffix(f".{suffix}"))
+    news = "".join(tgt + "\n" for _, tgt in demo_pairs["train"][-500:])  # German without translations: data.md
+    (root / "corpus" / "news.de").write_text(news, encoding="utf-8")
     (root / "configs").mkdir()
     for config in sorted((ROOT / "configs").glob("*.yaml")):
         raw = yaml.safe_load(config.read_text(encoding="utf-8"))
