@@ -261,3 +261,23 @@ def test_an_extra_corpus_that_is_empty_or_filtered_away_is_named(tiny_data):
         config, tokenizer = make(tiny_data, extra_train=[corpus(tiny_data, "train"), corpus(tiny_data, name)])
         with pytest.raises(UserInputError, match=rf"^data.extra_train\[1\]: {expected}"):
             prepare.prepare_training_data(config, tokenizer)
+
+
+def test_each_sampled_segmentation_weighs_the_corpora_it_kept(tiny_data):
+    """With subword sampling, the length filters may keep other pairs in each variant: an epoch weighs
+    the corpora of the variant it trains on, by that variant's own sizes."""
+    config, tokenizer = make(
+        tiny_data,
+        extra_train=[corpus(tiny_data, "train", weight=0.5)],
+        subword_alpha=0.5,
+        subword_variants=3,
+        max_length=30,
+    )
+    data = prepare.prepare_training_data(config, tokenizer, seed=2)
+    assert len(data.corpus_sizes) == 3 and len(set(data.corpus_sizes)) > 1, data.corpus_sizes  # the filters differ
+    for epoch in range(1, 7):
+        sizes = data.corpus_sizes[(epoch - 1) % 3]
+        assert sum(sizes) == len(data.train_for_epoch(epoch))
+        shown = np.bincount(data.rows_for_epoch(epoch, seed=2), minlength=sum(sizes))
+        assert len(shown) == sum(sizes) and (shown[: sizes[0]] == 1).all()
+        assert shown[sizes[0] :].sum() == round(sizes[1] / 2) and shown.max() == 1
