@@ -335,24 +335,27 @@ def test_late_dropout_is_off_before_its_epoch_and_on_from_it(tmp_path, tiny_data
 
 def test_weighted_and_tagged_corpora_resume_as_the_uninterrupted_run_and_keep_their_weights(tmp_path, tiny_data):
     """data.extra_train with a tag and weight 1.5: each epoch draws another half of it on top of the whole;
-    a run stopped and resumed two epochs later trains exactly as the uninterrupted one did. A resume
-    with another weight would train on other batches, and is refused, naming the key."""
+    a run stopped and resumed two epochs later, its corpora moved meanwhile, trains exactly as the
+    uninterrupted one did. A resume with another weight would train on other batches, and is refused,
+    naming the key."""
     for lang in ("en", "xx"):
         lines = (tiny_data / f"train.{lang}").read_text().splitlines(keepends=True)
         (tiny_data / f"head.{lang}").write_text("".join(lines[:300]))
         (tiny_data / f"tail.{lang}").write_text("".join(lines[300:500]))
+    moved = tmp_path / "moved"
+    shutil.copytree(tiny_data, moved)
 
-    def config(max_steps: int, weight: float = 1.5):
-        raw = tiny_config_dict(tiny_data, max_steps=max_steps, save_every=4, valid_every=100)
-        raw["data"]["train"] = {"src": str(tiny_data / "head.en"), "tgt": str(tiny_data / "head.xx")}
-        tail = {"src": str(tiny_data / "tail.en"), "tgt": str(tiny_data / "tail.xx"), "tag": "<bt>", "weight": weight}
+    def config(max_steps: int, weight: float = 1.5, data=tiny_data):
+        raw = tiny_config_dict(data, max_steps=max_steps, save_every=4, valid_every=100)
+        raw["data"]["train"] = {"src": str(data / "head.en"), "tgt": str(data / "head.xx")}
+        tail = {"src": str(data / "tail.en"), "tgt": str(data / "tail.xx"), "tag": "<bt>", "weight": weight}
         raw["data"]["extra_train"] = [tail]
         raw["tokenizer"]["user_defined_symbols"] = ["<bt>"]
         return config_from_dict(raw, origin="test")
 
     Trainer(config(24), tmp_path / "straight", show_progress=False).run()
     Trainer(config(8), tmp_path / "resumed", show_progress=False).run()
-    Trainer(config(24), tmp_path / "resumed", resume=True, show_progress=False).run()
+    Trainer(config(24, data=moved), tmp_path / "resumed", resume=True, show_progress=False).run()
     ours, theirs = (Checkpoint.load(tmp_path / name / "checkpoints" / "last.pt") for name in ("resumed", "straight"))
     assert ours.progress.step == theirs.progress.step == 24 and theirs.progress.epoch >= 3  # resumed across epochs
     for name, tensor in theirs.model.items():
