@@ -114,3 +114,17 @@ def test_a_missing_split_is_named_with_the_splits_the_dataset_has(tmp_path):
     )
     corpus = CorpusConfig(format="hf", path=str(tmp_path / "splits"), split="test")
     assert read_corpus(corpus, src_lang="de", tgt_lang="en", key="data.valid").src == ["hallo"]
+
+
+def test_a_training_corpus_reads_the_train_split_unless_told_and_valid_must_name_its_own(tmp_path):
+    """data.train and each of data.extra_train default to a dataset's 'train' split; a validation or
+    test corpus that named none would silently read the training pairs, and is refused."""
+    datasets = pytest.importorskip("datasets")
+    train = datasets.Dataset.from_dict({"translation": [{"de": "hallo", "en": "hello"}]})
+    test = datasets.Dataset.from_dict({"translation": [{"de": "welt", "en": "world"}]})
+    datasets.DatasetDict({"train": train, "test": test}).save_to_disk(str(tmp_path / "splits"))
+    corpus = CorpusConfig(format="hf", path=str(tmp_path / "splits"))
+    for key in ("data.train", "data.extra_train[2]"):
+        assert read_corpus(corpus, src_lang="de", tgt_lang="en", key=key).src == ["hallo"]
+    with pytest.raises(UserInputError, match=r"^data.valid.split: not set"):
+        read_corpus(corpus, src_lang="de", tgt_lang="en", key="data.valid")
