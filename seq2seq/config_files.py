@@ -7,6 +7,7 @@ the user fixes everything in one edit; a config's local data files must exist.
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 from pathlib import Path
 from typing import Any
@@ -89,9 +90,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, str]
         node = raw
         *parents, leaf = key.split(".")
         for part in parents:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise UserInputError(f"--set {item}: '{part}' is not a section")
+            node = _section(node, part, item)
         try:
             node[leaf] = yaml.safe_load(text)
         except yaml.YAMLError as error:
@@ -99,6 +98,30 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, str]
             raise UserInputError(f"--set {item}: the value is not valid YAML ({problem})") from None
         keys[key] = getattr(item, "flag", f"--set {key}")
     return keys
+
+
+_INDEXED = re.compile(r"^(.+)\[(\d+)\]$")
+
+
+def _section(node: dict, part: str, item: str) -> dict:
+    """The section `part` of `node` for --set `item`: a named one (made if missing), or one of a list of
+    sections by its index, as problems name it (data.extra_train[1])."""
+    indexed = _INDEXED.match(part)
+    name = indexed.group(1) if indexed else part
+    found = node.setdefault(name, [] if indexed else {})
+    if isinstance(found, list) and not indexed:
+        raise UserInputError(f"--set {item}: '{part}' is a list of sections; name one by its index: {part}[0]")
+    if indexed:
+        index = int(indexed.group(2))
+        if not isinstance(found, list):
+            raise UserInputError(f"--set {item}: '{name}' is not a list of sections")
+        if index >= len(found):
+            count = len(found)
+            raise UserInputError(f"--set {item}: '{name}' has {count} section{'s' * (count != 1)}; no [{index}]")
+        found = found[index]
+    if not isinstance(found, dict):
+        raise UserInputError(f"--set {item}: '{part}' is not a section")
+    return found
 
 
 def decode_config_with(stored: DecodeConfig, overrides: list[str]) -> DecodeConfig:

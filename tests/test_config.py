@@ -223,3 +223,26 @@ def test_extra_training_corpora_are_checked_each_by_its_index(tmp_path, tiny_dat
     assert error_of(path) == f"{path}: data.extra_train[0].src: file not found: {tmp_path / 'bt.en'}"
     config = load_config(path, [f"data.extra_train=[{{src: {good['src']}, tgt: {good['tgt']}, weight: 0.5}}]"])
     assert config.data.extra_train[0].weight == 0.5 and config.data.extra_train[0].tag == ""
+
+
+def test_a_set_names_a_section_of_a_list_by_its_index(tmp_path, tiny_data):
+    """--set reaches a corpus of data.extra_train as problems name it (data.extra_train[1].weight); an
+    index past the list, a list named without one, or an index on a section are one line each."""
+    raw = tiny_config_dict(tiny_data)
+    good = {"src": raw["data"]["train"]["src"], "tgt": raw["data"]["train"]["tgt"]}
+    raw["data"]["extra_train"] = [good, dict(good)]
+    path = write(tmp_path, raw)
+    assert [corpus.weight for corpus in load_config(path, ["data.extra_train[1].weight=0.25"]).data.extra_train] == [
+        1.0,
+        0.25,
+    ]
+    assert error_of(path, ["data.extra_train[0].weight=-1"]) == (
+        "--set data.extra_train[0].weight: expected a number > 0, got -1.0"
+    )
+    assert error_of(path, ["data.extra_train[2].weight=2"]) == (
+        "--set data.extra_train[2].weight=2: 'extra_train' has 2 sections; no [2]"
+    )
+    assert error_of(path, ["data.extra_train.0.weight=2"]).endswith(
+        "'extra_train' is a list of sections; name one by its index: extra_train[0]"
+    )
+    assert error_of(path, ["data.train[0].weight=2"]).endswith("'train' is not a list of sections")
