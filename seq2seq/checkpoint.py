@@ -38,7 +38,10 @@ class Progress:
     step: int = 0
     epoch: int = 1
     next_batch: int = 0  # index into this epoch's batch order
-    best_bleu: float = -1.0
+    best_bleu: float = -1.0  # the validation BLEU of the model in best.pt
+    # its train.best_metric, higher is better (a loss negated); None: no validation yet, or a checkpoint
+    # saved before best_metric, whose best.pt is the best by BLEU (validation.best_so_far)
+    best_score: float | None = None
     stale_validations: int = 0
     train_seconds: float = 0.0
     skipped_steps: int = 0  # non-finite gradients (fp16 overflow or NaN loss): never applied

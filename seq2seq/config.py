@@ -229,7 +229,14 @@ class TrainConfig:
     valid_every: int = setting(1000, "updates between validations", AT_LEAST_ONE)
     valid_max_sentences: int = setting(500, "validation BLEU on at most this many sentences", AT_LEAST_ONE)
     valid_beam: int = setting(1, "beam size of validation BLEU (1: greedy, fastest)", AT_LEAST_ONE)
-    patience: int = setting(0, "stop after this many validations without a better BLEU (0: off)", NOT_NEGATIVE)
+    patience: int = setting(
+        0, "stop after this many validations without a better train.best_metric (0: off)", NOT_NEGATIVE
+    )
+    best_metric: Literal["bleu", "chrf", "loss"] = setting(
+        "bleu",
+        "the validation score that picks best.pt (of the trained weights, the ema and the average_last "
+        "average) and that patience waits for: bleu or chrf (higher is better), or loss (lower)",
+    )
     compile: bool = setting(False, "wrap the model in torch.compile (pays on GPUs, not on CPUs)")
     save_every: int = setting(1000, "updates between checkpoints", AT_LEAST_ONE)
     keep_last: int = setting(5, "numbered checkpoints kept (besides last.pt and best.pt)", AT_LEAST_ONE)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import signal
 import time
 from collections.abc import Callable
@@ -53,7 +54,14 @@ from seq2seq.training.train_step import (
     compile_for_training,
     train_step,
 )
-from seq2seq.training.validation import ValidationResult, average_last_saves, report_validation, validate
+from seq2seq.training.validation import (
+    ValidationResult,
+    average_last_saves,
+    metric_score,
+    record_best,
+    report_validation,
+    validate,
+)
 from seq2seq.training.weight_average import ExponentialAverage
 from seq2seq.training.working_copy import working_copy_for
 
@@ -357,7 +365,7 @@ class Trainer:
 
     def _validate(self) -> None:
         """Rank 0 validates (the trained weights, and their average when train.ema_decay keeps one);
-        the outcome (best BLEU, patience count) is shared so all ranks stop together. Ctrl-C or SIGTERM
+        the outcome (best score, patience count) is shared so all ranks stop together. Ctrl-C or SIGTERM
         drops a validation between its batches: the run is saved with it due (progress.validation_due),
         and the resumed run makes it first, as the uninterrupted run made it here."""
         progress = self.progress
@@ -374,20 +382,19 @@ class Trainer:
             else:
                 progress.validation_due = False
                 self._record_validation(result, averaged)
-        progress.best_bleu, progress.stale_validations, stop = self.dist.broadcast(
-            (progress.best_bleu, progress.stale_validations, self.stops.received or 0)
+        progress.best_bleu, progress.best_score, progress.stale_validations, stop = self.dist.broadcast(
+            (progress.best_bleu, progress.best_score, progress.stale_validations, self.stops.received or 0)
         )
         self.stop_signal = self.stop_signal or stop  # a validation rank 0 dropped: every rank stops here
 
     def _record_validation(self, result: ValidationResult, averaged: ValidationResult | None) -> None:
-        """Best BLEU, patience count, log lines, metrics and best.pt for a validation's results."""
-        progress = self.progress
-        chosen = averaged if averaged is not None and averaged.scores.bleu > result.scores.bleu else result
-        improved = chosen.scores.bleu > progress.best_bleu
-        if improved:
-            progress.best_bleu, progress.stale_validations = chosen.scores.bleu, 0
-        else:
-            progress.stale_validations += 1
+        """Best score, patience count, log lines, metrics and best.pt for a validation's results: the
+        better of the trained weights and their average by train.best_metric."""
+        progress, metric = self.progress, self.config.train.best_metric
+        better_averaged = averaged is not None and metric_score(averaged, metric) > metric_score(result, metric)
+        chosen = averaged if better_averaged else result
+        improved = record_best(progress, chosen, metric)
+        progress.stale_validations = 0 if improved else progress.stale_validations + 1
         samples = list(zip(self.data.valid_text.src, self.data.valid_text.tgt, chosen.hypotheses))[:2]
         report_validation(self.metrics, progress.step, result, averaged, samples)
         if improved:
@@ -406,6 +413,7 @@ class Trainer:
             self.evaluate_valid,
             self.progress,
             self.metrics,
+            self.config.train.best_metric,
         )
 
     def _stop_reason(self) -> str:
@@ -416,7 +424,7 @@ class Trainer:
         if tc.max_time and progress.train_seconds >= tc.max_time:
             return f"max_time ({tc.max_time:g}s)"
         if tc.patience and progress.stale_validations >= tc.patience:
-            return f"no BLEU improvement in {tc.patience} validations (patience)"
+            return f"no {tc.best_metric} improvement in {tc.patience} validations (patience)"
         return ""
 
     def _interruption(self) -> str:
@@ -462,6 +470,10 @@ class Trainer:
         self.optimizer.load_state_dict(checkpoint.optimizer)
         self.scaler.load_state_dict(checkpoint.scaler)
         self.progress = checkpoint.progress  # its clock is rank 0's, the same for every rank
+        before, metric = checkpoint.config.train.best_metric, self.config.train.best_metric
+        if before != metric:  # best.pt's score is in the other metric: the next validation starts anew
+            self.progress.best_score, self.progress.stale_validations = -math.inf, 0
+            log.info("train.best_metric is %s, was %s: the next validation's model becomes best.pt", metric, before)
         self._interrupted_save = path if checkpoint.interrupted else None
         if self.ema is not None and checkpoint.ema:
             self.ema.load_state_dict(checkpoint.ema)

@@ -73,6 +73,26 @@ def validate(
     return ValidationResult(nll / max(tokens, 1), evaluation.scores, evaluation.hypotheses)
 
 
+def metric_score(result: ValidationResult, metric: str) -> float:
+    """A validation's train.best_metric, higher is better: BLEU or chrF, or the loss negated."""
+    return -result.loss if metric == "loss" else getattr(result.scores, metric)
+
+
+def best_so_far(progress: Progress, metric: str) -> float:
+    """The score best.pt holds (metric_score), which a validation must beat to replace it."""
+    if progress.best_score is not None:
+        return progress.best_score
+    return progress.best_bleu if metric == "bleu" else -math.inf  # a checkpoint from before best_metric
+
+
+def record_best(progress: Progress, result: ValidationResult, metric: str) -> bool:
+    """Whether `result` beats best.pt by `metric`; if so, `progress` records it as the new best."""
+    if metric_score(result, metric) <= best_so_far(progress, metric):
+        return False
+    progress.best_score, progress.best_bleu = metric_score(result, metric), result.scores.bleu
+    return True
+
+
 def report_validation(
     metrics: MetricsLog,
     step: int,
@@ -119,9 +139,10 @@ def average_last_saves(
     evaluate: Callable[[], ValidationResult],
     progress: Progress,
     metrics: MetricsLog,
+    metric: str,
 ) -> None:
     """Average the last `count` numbered checkpoints in `folder` into averaged.pt, validate it (the
-    model takes its weights), and make it best.pt where it beats `progress.best_bleu` (Vaswani et al.
+    model takes its weights), and make it best.pt where it beats best.pt by `metric` (Vaswani et al.
     averaged the last 5; Popel & Bojar 2018 found it pays most after a decay)."""
     saves = numbered_checkpoints(folder)[-count:]
     if len(saves) < 2:
@@ -133,15 +154,15 @@ def average_last_saves(
     result = evaluate()
     scores = result.scores
     log.info(
-        "average of the last %d saves (%s): valid loss %.3f, BLEU %.2f (best so far %.2f)",
+        "average of the last %d saves (%s): valid loss %.3f, BLEU %.2f, chrF %.2f",
         len(saves),
         ", ".join(path.name for path in saves),
         result.loss,
         scores.bleu,
-        progress.best_bleu,
+        scores.chrf,
     )
     metrics.write("average", step=progress.step, loss=result.loss, bleu=scores.bleu, chrf=scores.chrf)
-    if scores.bleu > progress.best_bleu:
-        progress.best_bleu = scores.bleu
+    if record_best(progress, result, metric):
+        log.info("the average validates better by %s: it becomes best.pt", metric)
         best = dataclasses.replace(averaged, progress=dataclasses.replace(progress), weights="average")
         best.save(folder / BEST)

@@ -362,3 +362,61 @@ def test_weighted_and_tagged_corpora_resume_as_the_uninterrupted_run_and_keep_th
         assert torch.equal(ours.model[name], tensor), name
     with pytest.raises(UserInputError, match=r"data.extra_train\[0\].weight: 1.5 in the run, 2.0 given; a resumed run"):
         Trainer(config(30, weight=2.0), tmp_path / "resumed", resume=True, show_progress=False)
+
+
+# Validations whose three scores disagree on the best step: (loss, BLEU, chrF) at steps 10, 20, ..., 60.
+DISAGREEING = [(5.0, 1.0, 10.0), (3.0, 0.5, 20.0), (4.0, 2.0, 15.0), (3.5, 1.5, 25.0), (3.2, 1.0, 22.0),
+               (3.1, 1.0, 21.0)]  # fmt: skip
+
+
+def validations_scoring(monkeypatch, scores: list[tuple[float, float, float]]) -> None:
+    """Trainer validations at steps 10, 20, ... score (loss, BLEU, chrF) = scores[0], scores[1], ..."""
+    real = Trainer.evaluate_valid
+
+    def evaluate(self, *between_batches):
+        result = real(self, *between_batches)
+        loss, bleu, chrf = scores[self.progress.step // 10 - 1]
+        stand_ins = {"BLEU": bleu, "chrF2": chrf}
+        metrics = tuple(dataclasses.replace(m, score=stand_ins.get(m.name, m.score)) for m in result.scores.metrics)
+        return dataclasses.replace(result, loss=loss, scores=dataclasses.replace(result.scores, metrics=metrics))
+
+    monkeypatch.setattr(Trainer, "evaluate_valid", evaluate)
+
+
+@pytest.mark.parametrize(("metric", "best_step", "stop_step"), [("loss", 20, 40), ("bleu", 30, 50), ("chrf", 40, 60)])
+def test_best_pt_and_patience_follow_the_chosen_metric(tmp_path, tiny_data, monkeypatch, metric, best_step, stop_step):
+    """train.best_metric: best.pt is the model of the best validation by that score (the lowest loss, the
+    highest BLEU or chrF) and patience counts the validations that did not beat it."""
+    validations_scoring(monkeypatch, DISAGREEING)
+    settings = dict(max_steps=60, valid_every=10, save_every=10, keep_last=6, patience=2, best_metric=metric)
+    result = make_trainer(tmp_path, tiny_data, **settings).run()
+    assert result.progress.step == stop_step
+    best = Checkpoint.load(tmp_path / "run" / "checkpoints" / "best.pt")
+    saved = Checkpoint.load(tmp_path / "run" / "checkpoints" / f"step_{best_step:08d}.pt")
+    assert best.progress.step == best_step and best.progress.best_bleu == DISAGREEING[best_step // 10 - 1][1]
+    for name, tensor in saved.model.items():
+        assert torch.equal(best.model[name], tensor), name
+
+
+def test_a_resume_keeps_best_pt_by_bleu_from_an_older_checkpoint_and_restarts_it_for_another_metric(
+    tmp_path, tiny_data, monkeypatch, caplog
+):
+    """A checkpoint saved before best_metric recorded its best BLEU alone: resumed by BLEU, a worse
+    validation leaves best.pt as it was. A resume that changes the metric says so, and best.pt is then
+    the best by the new metric from the next validation on."""
+    validations_scoring(monkeypatch, [(3.0, 2.0, 20.0), (4.0, 1.0, 10.0), (3.5, 0.5, 5.0), (2.5, 0.1, 1.0)])
+    make_trainer(tmp_path, tiny_data, max_steps=10, valid_every=10, save_every=10).run()
+    (saved,) = (tmp_path / "run" / "checkpoints").glob("step_*.pt")
+    older = Checkpoint.load(saved)
+    dataclasses.replace(older, progress=dataclasses.replace(older.progress, best_score=None)).save(saved)
+    raw = tiny_config_dict(tiny_data, max_steps=20, valid_every=10, save_every=10)
+    Trainer(config_from_dict(raw, origin="test"), tmp_path / "run", resume=True, show_progress=False).run()
+    assert Checkpoint.load(tmp_path / "run" / "checkpoints" / "best.pt").progress.step == 10  # BLEU 2 beats 1
+
+    caplog.set_level(logging.INFO, logger="seq2seq")
+    make_trainer(tmp_path, tiny_data, "changed", max_steps=10, valid_every=10, save_every=10).run()  # best: BLEU 2
+    raw = tiny_config_dict(tiny_data, max_steps=40, valid_every=10, save_every=10, best_metric="loss")
+    Trainer(config_from_dict(raw, origin="test"), tmp_path / "changed", resume=True, show_progress=False).run()
+    assert "train.best_metric is loss, was bleu: the next validation's model becomes best.pt" in caplog.text
+    best = Checkpoint.load(tmp_path / "changed" / "checkpoints" / "best.pt")
+    assert best.progress.step == 40 and best.progress.best_score == -2.5  # steps 20, 30, 40: each loss lower
