@@ -161,6 +161,7 @@ _REQUIRED = ("config", "tokenizer", "model", "optimizer", "scaler", "progress", 
 _PROGRESS_ADDED = {
     "decay_start",
     "validation_due",
+    "best_score",
 }  # fields added within this format version: older checkpoints take the default
 
 
