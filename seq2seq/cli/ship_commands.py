@@ -1,4 +1,4 @@
-"""`seq2seq demo`, `export`, `serve`, `average` and `plot`: the whole path at once, and what ships
+"""`seq2seq demo`, `export`, `serve`, `average`, `info`, `plot` and `shortlist`: the whole path at once, and
 or inspects a trained model."""
 
 from __future__ import annotations
@@ -183,6 +183,29 @@ def average(
     check_new_file(output, what="output checkpoint")  # -o naming one of the checkpoints would replace it
     average_checkpoints(checkpoints, output)
     typer.echo(f"averaged {len(checkpoints)} checkpoint{'s' if len(checkpoints) > 1 else ''} -> {output}")
+
+
+@app.command()
+@user_errors
+def info(
+    path: Annotated[
+        Path, typer.Argument(help="A checkpoint (.pt), a run directory (its best.pt) or an exported model.")
+    ],
+    as_json: Annotated[bool, typer.Option("--json", help="JSON instead of YAML.")] = False,
+) -> None:
+    """Describe a saved model: its step, best validation, shape and size, vocabulary, languages, training
+    corpora and settings, and decoding defaults (an export: its metadata).
+
+    Example: seq2seq info runs/demo
+    """
+    import json
+
+    import yaml
+
+    from seq2seq.describe import describe
+
+    described = describe(path)
+    typer.echo(json.dumps(described, indent=2) if as_json else yaml.safe_dump(described, sort_keys=False).rstrip())
 
 
 @app.command()

@@ -90,6 +90,29 @@ def test_train_writes_the_run_directory(trained_run):
     assert kinds == {"train", "valid"}
 
 
+def test_info_describes_the_checkpoint_a_run_directory_stands_for(trained_run):
+    """`seq2seq info RUN_DIR`: best.pt's step, best validation, size (a tied weight once), vocabulary and
+    training corpora, in YAML on stdout, or the same in JSON; a path that is no model is one line."""
+    from seq2seq.checkpoint import Checkpoint
+
+    _, _, run_dir, data = trained_run
+    result = invoke("info", run_dir)
+    assert result.exit_code == 0, result.output
+    described = yaml.safe_load(result.stdout)
+    best = Checkpoint.load(run_dir / "checkpoints" / "best.pt")
+    assert described["path"] == str(run_dir / "checkpoints" / "best.pt") and described["step"] == best.progress.step
+    assert described["best_validation"] == {"metric": "bleu", "bleu": round(best.progress.best_bleu, 2)}
+    model = best.build_model()
+    assert described["model"]["parameters"] == sum(p.numel() for p in model.parameters())
+    assert described["model"]["parameters"] < sum(t.numel() for t in best.model.values())  # tied: counted once
+    assert described["vocabulary"] == {"joint": True, "source": model.src_embed.num_embeddings,
+                                       "target": model.tgt_embed.num_embeddings}  # fmt: skip
+    (corpus,) = described["training"]["corpora"]
+    assert corpus == {"key": "data.train", "files": [str(data / "train.en"), str(data / "train.xx")], "weight": 1.0}
+    assert json.loads(invoke("info", run_dir / "checkpoints" / "best.pt", "--json").stdout) == described
+    assert_user_error(invoke("info", data / "train.en"), "train.en", "not a readable seq2seq checkpoint")
+
+
 def test_validation_is_logged_to_stderr_and_train_log_and_quiet_silences_stderr(trained_run, tmp_path):
     _, config, run_dir, _ = trained_run
     logged = (run_dir / "train.log").read_text()

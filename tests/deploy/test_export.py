@@ -586,3 +586,17 @@ def test_an_export_with_a_shortlist_passes_the_gate_against_the_shortlisted_chec
     assert held.translate(lines, beam=3) != Translator.load(path).translate(lines, beam=3)  # the lists bind
     with pytest.raises(UserInputError, match="an exported model carries its shortlist"):
         Translator.load(tmp_path / "model", shortlist=listed)
+
+
+def test_info_describes_an_export_by_its_metadata(exported_directory, trained_checkpoint):
+    import yaml
+
+    from seq2seq.checkpoint import Checkpoint
+
+    result = invoke("info", exported_directory)
+    assert result.exit_code == 0, result.output
+    described = yaml.safe_load(result.stdout)
+    source = Checkpoint.load(trained_checkpoint[0])
+    assert described["kind"] == "export" and described["engine"] == "ctranslate2"
+    assert described["quantization"] == "float32" and described["step"] == source.progress.step
+    assert described["decode"] == dataclasses.asdict(source.config.decode)
