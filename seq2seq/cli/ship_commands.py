@@ -1,5 +1,5 @@
-"""`seq2seq demo`, `export`, `serve`, `average`, `info`, `plot` and `shortlist`: the whole path at once, and
-or inspects a trained model."""
+"""`seq2seq demo`, `export`, `serve`, `average`, `info`, `plot` and `shortlist`: the whole path at
+once, and what ships or inspects a trained model."""
 
 from __future__ import annotations
 
