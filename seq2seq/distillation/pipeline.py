@@ -23,7 +23,7 @@ from seq2seq.checkpoint import Checkpoint, run_checkpoint
 from seq2seq.config import Config, CorpusConfig
 from seq2seq.deploy.export import export_checkpoint
 from seq2seq.distillation.report import ModelRun, compare, write_report
-from seq2seq.distillation.teacher_targets import DistilledCorpus, distilled_corpus, teacher_paths
+from seq2seq.distillation.teacher_targets import DistilledCorpus, distilled_corpora, teacher_paths
 from seq2seq.errors import UserInputError
 from seq2seq.inference.shortlist import shortlist_from_corpus
 from seq2seq.training.run_dir import RunDir
@@ -44,11 +44,6 @@ def distill(config: Config, run_dir: Path, *, progress: bool = True, echo: Calla
     """Run (or finish) every stage; `echo` says what each stage did, on stderr for the CLI."""
     if config.distill is None:
         raise UserInputError("distill: the config has no distill section; expected one naming the teacher")
-    if config.data.extra_train:
-        raise UserInputError(
-            "data.extra_train: distill trains the student on the teacher's translations of data.train alone; "
-            "expected the corpora to translate in data.train (one corpus), and no data.extra_train"
-        )
     teachers = teacher_paths(config)  # a missing teacher is named before any work
     with RunDir(run_dir).held():  # a second distill there would write every stage over this one's
         return _stages(config, run_dir, teachers, progress=progress, echo=echo)
@@ -58,11 +53,12 @@ def _stages(
     config: Config, run_dir: Path, teachers: list[Path], *, progress: bool, echo: Callable[[str], None]
 ) -> Distilled:
     """Each stage that has not yet run, in order."""
-    corpus = distilled_corpus(config, run_dir, progress=progress)
-    echo(f"1/5 teacher: {corpus.pairs} training pairs -> {corpus.tgt}")
-    student = _train_student(config, corpus, run_dir / "student", progress=progress)
+    corpora = distilled_corpora(config, run_dir, progress=progress)
+    pairs = sum(corpus.pairs for corpus in corpora)
+    echo(f"1/5 teacher: {pairs} training pairs -> {', '.join(str(corpus.tgt) for corpus in corpora)}")
+    student = _train_student(config, corpora, run_dir / "student", progress=progress)
     echo(f"2/5 student: {student}")
-    shortlist = _shortlist(config, corpus, student, run_dir / "student.shortlist")
+    shortlist = _shortlist(config, corpora, student, run_dir / "student.shortlist")
     echo(f"3/5 shortlist: {shortlist or 'off (distill.shortlist: false)'}")
     shipped = run_dir / f"student-{config.distill.quantization}"
     if not shipped.exists():
@@ -77,35 +73,40 @@ def _stages(
     else:
         echo(f"4/5 export: {shipped} (exported before)")
     runs = compare(config, teachers, shipped, run_dir / "report", teacher_beam=config.distill.beam)
-    stages = {"distilled_pairs": corpus.pairs, "student": str(student), "shortlist": str(shortlist or ""),
+    stages = {"distilled_pairs": pairs, "student": str(student), "shortlist": str(shortlist or ""),
               "shipped": str(shipped)}  # fmt: skip
     write_report(run_dir / "report.json", runs, stages)
     echo(f"5/5 report: {run_dir / 'report.json'}")
     return Distilled(student, shipped, runs, run_dir / "report.json")
 
 
-def student_config(config: Config, corpus: DistilledCorpus) -> Config:
-    """The config the student trains under: data.train is the teacher's translation of it."""
-    train = CorpusConfig(format="text", src=str(corpus.src), tgt=str(corpus.tgt), weight=config.data.train.weight)
-    return dataclasses.replace(config, data=dataclasses.replace(config.data, train=train), distill=None)
+def student_config(config: Config, corpora: list[DistilledCorpus]) -> Config:
+    """The config the student trains under: data.train and each of data.extra_train are the teacher's
+    translations of theirs, with their weights and tags."""
+    train, *extra = [
+        CorpusConfig(format="text", src=str(corpus.src), tgt=str(corpus.tgt), weight=given.weight, tag=given.tag)
+        for corpus, (_, given) in zip(corpora, config.data.training_corpora(), strict=True)
+    ]
+    data = dataclasses.replace(config.data, train=train, extra_train=tuple(extra))
+    return dataclasses.replace(config, data=data, distill=None)
 
 
-def _train_student(config: Config, corpus: DistilledCorpus, folder: Path, *, progress: bool) -> Path:
+def _train_student(config: Config, corpora: list[DistilledCorpus], folder: Path, *, progress: bool) -> Path:
     """Train the student, continuing its run when it has saved a checkpoint; the checkpoint to ship."""
     resume = RunDir(folder).checkpoints.is_dir() and any(RunDir(folder).checkpoints.glob("*.pt"))
-    Trainer(student_config(config, corpus), folder, resume=resume, show_progress=progress).run()
+    Trainer(student_config(config, corpora), folder, resume=resume, show_progress=progress).run()
     return run_checkpoint(folder)
 
 
-def _shortlist(config: Config, corpus: DistilledCorpus, student: Path, path: Path) -> Path | None:
-    """The student's shortlist, from its own training pairs and vocabulary (built once)."""
+def _shortlist(config: Config, corpora: list[DistilledCorpus], student: Path, path: Path) -> Path | None:
+    """The student's shortlist, from its own training pairs (every corpus's) and vocabulary (built once)."""
     distill = config.distill
     if not distill.shortlist:
         return None
     if not path.is_file():
         tokenizer = Checkpoint.load(student).tokenizer
-        sources = corpus.src.read_text(encoding="utf-8").splitlines()
-        targets = corpus.tgt.read_text(encoding="utf-8").splitlines()
+        sources = [line for corpus in corpora for line in corpus.src.read_text(encoding="utf-8").splitlines()]
+        targets = [line for corpus in corpora for line in corpus.tgt.read_text(encoding="utf-8").splitlines()]
         built = shortlist_from_corpus(
             tokenizer, sources, targets, per_source=distill.shortlist_per_source, frequent=distill.shortlist_frequent
         )

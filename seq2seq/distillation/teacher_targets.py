@@ -10,14 +10,15 @@ uninterrupted one writes.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from seq2seq.checkpoint import run_checkpoint
-from seq2seq.config import Config
-from seq2seq.data.prepare import read_split
+from seq2seq.config import Config, CorpusConfig
+from seq2seq.data.sources import read_corpus
 from seq2seq.errors import UserInputError
 from seq2seq.files import write_text_atomic
 from seq2seq.inference.engine import EXPORT_METADATA
@@ -49,11 +50,21 @@ def teacher_paths(config: Config) -> list[Path]:
     return paths
 
 
-def distilled_corpus(config: Config, folder: Path, *, progress: bool) -> DistilledCorpus:
-    """The teacher's translation of data.train's sources under `folder` (made, or reused when the
-    same work was done or begun before)."""
+def distilled_corpora(config: Config, folder: Path, *, progress: bool) -> list[DistilledCorpus]:
+    """The teacher's translation of each training corpus's sources (data.train, then each of
+    data.extra_train) under `folder`, made, or reused when the same work was done or begun before.
+    The teacher reads a tagged corpus's sources without the tag, which is the student's to learn."""
+    return [
+        _distilled(config, dataclasses.replace(corpus, tag=""), key, folder, progress=progress)
+        for key, corpus in config.data.training_corpora()
+    ]
+
+
+def _distilled(config: Config, given: CorpusConfig, key: str, folder: Path, *, progress: bool) -> DistilledCorpus:
     distill, teachers = config.distill, teacher_paths(config)
-    corpus = read_split(config.data, "train")
+    corpus = read_corpus(given, src_lang=config.data.src_lang, tgt_lang=config.data.tgt_lang, key=key)
+    if not len(corpus):
+        raise UserInputError(f"{key}: no sentence pairs found (empty file, or every pair had an empty side)")
     identity = {
         "teacher": [_digest(path) for path in teachers],
         "beam": distill.beam,

@@ -176,7 +176,7 @@ def test_an_exported_teacher_writes_the_targets_its_checkpoint_writes(uninterrup
     exported = tmp_path / "teacher-ct2"
     export_module.export_checkpoint(Path(config.distill.teacher[0]), exported)
     config = dataclasses.replace(config, distill=dataclasses.replace(config.distill, teacher=(str(exported),)))
-    corpus = teacher_targets.distilled_corpus(config, tmp_path / "run", progress=False)
+    (corpus,) = teacher_targets.distilled_corpora(config, tmp_path / "run", progress=False)
     [work] = uninterrupted.glob("teacher-*")
     ours = (work / "train.tgt").read_text().splitlines()
     theirs = corpus.tgt.read_text().splitlines()
@@ -187,7 +187,7 @@ def test_an_exported_teacher_writes_the_targets_its_checkpoint_writes(uninterrup
 def test_a_source_longer_than_the_length_limit_is_not_translated(student_config, tmp_path):
     """The student would not train on it, and one runaway line can cost more than the corpus."""
     config = load_config(student_config, ["data.max_length=12"])
-    corpus = teacher_targets.distilled_corpus(config, tmp_path / "run", progress=False)
+    (corpus,) = teacher_targets.distilled_corpora(config, tmp_path / "run", progress=False)
     teacher = Translator.load(config.distill.teacher[0])
     sources = corpus.src.read_text().splitlines()
     everything = (Path(config.data.train.src)).read_text().splitlines()
@@ -197,14 +197,25 @@ def test_a_source_longer_than_the_length_limit_is_not_translated(student_config,
     assert longer and not set(longer) & set(sources)
 
 
-def test_extra_training_corpora_are_refused_before_any_work(student_config, tmp_path):
-    """The student learns from the teacher's translations of data.train: a corpus beside it would be
-    left untranslated (or mixed in raw), so it is refused, in one line, and nothing is made."""
-    train = yaml.safe_load(student_config.read_text())["data"]["train"]
-    run_dir = tmp_path / "run"
-    extra = f"data.extra_train=[{{src: {train['src']}, tgt: {train['tgt']}}}]"
-    result = runner.invoke(app, ["distill", str(student_config), "--set", extra, "--run-dir", str(run_dir)])
-    assert result.exit_code == 2, result.output
-    errors = [line for line in result.output.splitlines() if line.startswith("error")]
-    assert len(errors) == 1 and "data.extra_train: distill trains the student on the teacher's" in errors[0]
-    assert not run_dir.exists()
+def test_each_training_corpus_is_distilled_and_the_student_keeps_its_weight_and_tag(
+    uninterrupted, student_config, trained_checkpoint, tmp_path
+):
+    """data.extra_train: the teacher translates each corpus's sources (a tagged corpus's without its
+    tag, which only the student learns), and the student trains on each translation with the corpus's
+    weight and tag."""
+    from seq2seq.distillation.pipeline import student_config as config_of_student
+
+    test = yaml.safe_load(student_config.read_text())["data"]["test"]
+    extra = f"data.extra_train=[{{src: {test['src']}, tgt: {test['tgt']}, tag: '<bt>', weight: 0.5}}]"
+    config = load_config(student_config, [extra, "tokenizer.user_defined_symbols=[<bt>]"])
+    corpora = teacher_targets.distilled_corpora(config, tmp_path / "run", progress=False)
+    [work] = uninterrupted.glob("teacher-*")
+    assert corpora[0].tgt.read_text() == (work / "train.tgt").read_text()  # data.train's, as without extra
+    sources = Path(test["src"]).read_text().splitlines()
+    assert corpora[1].src.read_text().splitlines() == sources  # untagged: the tag is not the teacher's
+    teacher = Translator.load(trained_checkpoint[0])
+    assert corpora[1].tgt.read_text().splitlines() == teacher.translate(sources, beam=config.distill.beam)
+    student = config_of_student(config, corpora)
+    assert (student.data.train.src, student.data.train.weight, student.data.train.tag) == (str(corpora[0].src), 1, "")
+    (bt,) = student.data.extra_train
+    assert (bt.src, bt.tgt, bt.weight, bt.tag) == (str(corpora[1].src), str(corpora[1].tgt), 0.5, "<bt>")
