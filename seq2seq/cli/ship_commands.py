@@ -202,7 +202,7 @@ def info(
 
     import yaml
 
-    from seq2seq.describe import describe
+    from seq2seq.deploy.describe import describe
 
     described = describe(path)
     typer.echo(json.dumps(described, indent=2) if as_json else yaml.safe_dump(described, sort_keys=False).rstrip())
