@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from seq2seq.config import DataConfig
+from seq2seq.config import CorpusConfig, DataConfig
 from seq2seq.data import cache
 from seq2seq.data.batching import weighted_rows
 from seq2seq.data.encoded import (
@@ -103,10 +103,19 @@ def read_split(data: DataConfig, split: str) -> ParallelText:
     corpus = getattr(data, split)
     if corpus is None:
         raise UserInputError(f"data.{split}: not set in the config; expected a corpus (format and files)")
-    text = read_corpus(corpus, src_lang=data.src_lang, tgt_lang=data.tgt_lang, key=f"data.{split}")
+    return read_pairs(data, corpus, f"data.{split}")
+
+
+def read_pairs(data: DataConfig, corpus: CorpusConfig, key: str) -> ParallelText:
+    """One corpus in memory (a small split, or a corpus to distil), `key` naming it; an empty one is an error."""
+    text = read_corpus(corpus, src_lang=data.src_lang, tgt_lang=data.tgt_lang, key=key)
     if not len(text):
-        raise UserInputError(f"data.{split}: no sentence pairs found (empty file, or every pair had an empty side)")
+        raise _no_pairs(key)
     return text
+
+
+def _no_pairs(key: str) -> UserInputError:
+    return UserInputError(f"{key}: no sentence pairs found (empty file, or every pair had an empty side)")
 
 
 def encode_training_split(
@@ -215,7 +224,7 @@ def _filtered_chunks(
     read_by_corpus = np.diff([*starts, counts.kept])
     for (key, _), read, kept_pairs in zip(corpora, read_by_corpus, kept_by_corpus):
         if read == 0:
-            raise UserInputError(f"{key}: no sentence pairs found (empty file, or every pair had an empty side)")
+            raise _no_pairs(key)
         if kept_pairs == 0:
             in_all = " in all the training corpora" if len(corpora) > 1 else ""
             raise UserInputError(f"{key}: no sentence pairs left after filtering ({filtered.describe()}{in_all})")
@@ -245,12 +254,13 @@ def prepare_training_data(
     under the seed 1000 * `seed` (the run's) + v."""
     valid_text = valid_text if valid_text is not None else read_split(data, "valid")
     valid = encode_pairs(tokenizer, zip(valid_text.src, valid_text.tgt))
-    mixture = {"weights": tuple(corpus.weight for _, corpus in data.training_corpora())}
+    weights = tuple(corpus.weight for _, corpus in data.training_corpora())
     if not data.subword_alpha:
         train, report = _encoded_training_split(data, tokenizer, progress=progress, sampled_seed=None)
-        mixture["corpus_sizes"] = (_corpus_sizes(report),)
-        _log_mixture(data, mixture["corpus_sizes"][0])
-        return TrainingData(train, valid, valid_text, text_digest=report["text"], **mixture)
+        _log_mixture(data, _corpus_sizes(report))
+        return TrainingData(
+            train, valid, valid_text, text_digest=report["text"], weights=weights, corpus_sizes=(_corpus_sizes(report),)
+        )
     text_digest = _text_digest_reader(data, progress)  # read once for all the variants, if at all
     encoded = [
         _encoded_training_split(
@@ -260,8 +270,8 @@ def prepare_training_data(
     ]
     variants = tuple(corpus for corpus, _ in encoded)
     segmentations = tuple(report.get("segmentation", "") for _, report in encoded)  # "": cached before digests
-    mixture["corpus_sizes"] = tuple(_corpus_sizes(report) for _, report in encoded)
-    _log_mixture(data, mixture["corpus_sizes"][0])
+    corpus_sizes = tuple(_corpus_sizes(report) for _, report in encoded)
+    _log_mixture(data, corpus_sizes[0])
     return TrainingData(
         variants[0],
         valid,
@@ -269,7 +279,8 @@ def prepare_training_data(
         variants,
         text_digest=encoded[0][1]["text"],
         segmentations=segmentations,
-        **mixture,
+        weights=weights,
+        corpus_sizes=corpus_sizes,
     )
 
 

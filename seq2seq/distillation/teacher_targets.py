@@ -18,7 +18,7 @@ from pathlib import Path
 
 from seq2seq.checkpoint import run_checkpoint
 from seq2seq.config import Config, CorpusConfig
-from seq2seq.data.sources import read_corpus
+from seq2seq.data.prepare import read_pairs
 from seq2seq.errors import UserInputError
 from seq2seq.files import write_text_atomic
 from seq2seq.inference.engine import EXPORT_METADATA
@@ -62,9 +62,7 @@ def distilled_corpora(config: Config, folder: Path, *, progress: bool) -> list[D
 
 def _distilled(config: Config, given: CorpusConfig, key: str, folder: Path, *, progress: bool) -> DistilledCorpus:
     distill, teachers = config.distill, teacher_paths(config)
-    corpus = read_corpus(given, src_lang=config.data.src_lang, tgt_lang=config.data.tgt_lang, key=key)
-    if not len(corpus):
-        raise UserInputError(f"{key}: no sentence pairs found (empty file, or every pair had an empty side)")
+    corpus = read_pairs(config.data, given, key)
     identity = {
         "teacher": [_digest(path) for path in teachers],
         "beam": distill.beam,
