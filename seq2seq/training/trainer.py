@@ -470,10 +470,6 @@ class Trainer:
         self.optimizer.load_state_dict(checkpoint.optimizer)
         self.scaler.load_state_dict(checkpoint.scaler)
         self.progress = checkpoint.progress  # its clock is rank 0's, the same for every rank
-        before, metric = checkpoint.config.train.best_metric, self.config.train.best_metric
-        if before != metric:  # best.pt's score is in the other metric: the next validation starts anew
-            self.progress.best_score, self.progress.stale_validations = -math.inf, 0
-            log.info("train.best_metric is %s, was %s: the next validation's model becomes best.pt", metric, before)
         self._interrupted_save = path if checkpoint.interrupted else None
         if self.ema is not None and checkpoint.ema:
             self.ema.load_state_dict(checkpoint.ema)
@@ -494,6 +490,22 @@ class Trainer:
         log.info("resumed from %s at step %d", path, self.progress.step)
         for change in self._resume_changes:
             log.info(change)
+        if checkpoint.config.train.best_metric != self.config.train.best_metric:
+            self._rescore_best()
+
+    def _rescore_best(self) -> None:
+        """best.pt's score by a train.best_metric the run kept it by no longer (changed on resume): it is
+        validated again, so that only a better model replaces it and patience counts from here."""
+        metric, path, score = self.config.train.best_metric, self.run_dir.checkpoints / BEST, -math.inf
+        if self.dist.is_main and path.is_file():
+            trained = {name: tensor.clone() for name, tensor in self.model.state_dict().items()}
+            self.model.load_state_dict(Checkpoint.load(path).model)
+            try:
+                score = metric_score(self.evaluate_valid(), metric)
+            finally:
+                self.model.load_state_dict(trained)
+            log.info("train.best_metric is now %s: best.pt validated again, %s %.4g", metric, metric, abs(score))
+        self.progress.best_score, self.progress.stale_validations = self.dist.broadcast(score), 0
 
 
 def _parameter_count(model: torch.nn.Module) -> int:

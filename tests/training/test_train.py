@@ -402,9 +402,9 @@ def test_a_resume_keeps_best_pt_by_bleu_from_an_older_checkpoint_and_restarts_it
     tmp_path, tiny_data, monkeypatch, caplog
 ):
     """A checkpoint saved before best_metric recorded its best BLEU alone: resumed by BLEU, a worse
-    validation leaves best.pt as it was. A resume that changes the metric says so, and best.pt is then
-    the best by the new metric from the next validation on."""
-    validations_scoring(monkeypatch, [(3.0, 2.0, 20.0), (4.0, 1.0, 10.0), (3.5, 0.5, 5.0), (2.5, 0.1, 1.0)])
+    validation leaves best.pt as it was. A resume that changes the metric validates best.pt again by
+    it, so that only a better model replaces it."""
+    validations_scoring(monkeypatch, [(3.0, 2.0, 20.0), (3.0, 1.0, 10.0), (3.5, 0.5, 5.0), (2.5, 0.1, 1.0)])
     make_trainer(tmp_path, tiny_data, max_steps=10, valid_every=10, save_every=10).run()
     (saved,) = (tmp_path / "run" / "checkpoints").glob("step_*.pt")
     older = Checkpoint.load(saved).to_state()
@@ -415,9 +415,17 @@ def test_a_resume_keeps_best_pt_by_bleu_from_an_older_checkpoint_and_restarts_it
     assert Checkpoint.load(tmp_path / "run" / "checkpoints" / "best.pt").progress.step == 10  # BLEU 2 beats 1
 
     caplog.set_level(logging.INFO, logger="seq2seq")
-    make_trainer(tmp_path, tiny_data, "changed", max_steps=10, valid_every=10, save_every=10).run()  # best: BLEU 2
+    make_trainer(tmp_path, tiny_data, "changed", max_steps=20, valid_every=10, save_every=10).run()  # best: step 10
+    raw = tiny_config_dict(tiny_data, max_steps=30, valid_every=10, save_every=10, best_metric="loss")
+    Trainer(config_from_dict(raw, origin="test"), tmp_path / "changed", resume=True, show_progress=False).run()
+    assert "train.best_metric is now loss: best.pt validated again, loss 3" in caplog.text  # the stand-in's
+    best = Checkpoint.load(tmp_path / "changed" / "checkpoints" / "best.pt")
+    assert best.progress.step == 10  # loss 3.5 at step 30 does not beat its 3
+    make_trainer(tmp_path, tiny_data, "straight", max_steps=30, valid_every=10, save_every=10).run()
+    ours, theirs = (Checkpoint.load(tmp_path / name / "checkpoints" / "last.pt") for name in ("changed", "straight"))
+    for name, tensor in theirs.model.items():  # validating best.pt left the trained weights as they were
+        assert torch.equal(ours.model[name], tensor), name
     raw = tiny_config_dict(tiny_data, max_steps=40, valid_every=10, save_every=10, best_metric="loss")
     Trainer(config_from_dict(raw, origin="test"), tmp_path / "changed", resume=True, show_progress=False).run()
-    assert "train.best_metric is loss, was bleu: the next validation's model becomes best.pt" in caplog.text
     best = Checkpoint.load(tmp_path / "changed" / "checkpoints" / "best.pt")
-    assert best.progress.step == 40 and best.progress.best_score == -2.5  # steps 20, 30, 40: each loss lower
+    assert best.progress.step == 40 and best.progress.best_score == -2.5  # loss 2.5 does
