@@ -1,5 +1,6 @@
 """What a saved model is, for `seq2seq info`: a checkpoint's (or a run directory's) step, best
-validation, shape, vocabulary, training and decoding settings; an export's metadata.
+validation, shape, vocabulary, training and decoding settings (a run directory's, with its numbered
+saves and their validations); an export's metadata.
 
 Users sharing a checkpoint or picking one from a run ask these before translating with it; the run's
 config.yaml answers only for the run, not for the file, and a file alone has no config beside it.
@@ -11,10 +12,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from seq2seq.checkpoint import Checkpoint, run_checkpoint
+from seq2seq.checkpoint import Checkpoint, numbered_checkpoints, run_checkpoint
 from seq2seq.config import Config
 from seq2seq.errors import UserInputError
 from seq2seq.inference.engine import EXPORT_METADATA
+from seq2seq.training.run_log import MetricsLog
 
 
 def describe(path: Path) -> dict[str, Any]:
@@ -24,7 +26,26 @@ def describe(path: Path) -> dict[str, Any]:
     if path.is_dir() and (path / EXPORT_METADATA).is_file():
         return _describe_export(path)
     checkpoint_path = run_checkpoint(path) if path.is_dir() else path
-    return _describe_checkpoint(checkpoint_path, Checkpoint.load(checkpoint_path))
+    described = _describe_checkpoint(checkpoint_path, Checkpoint.load(checkpoint_path))
+    if path.is_dir():
+        described["saves"] = _saves(path)
+    return described
+
+
+def _saves(run_dir: Path) -> list[dict[str, Any]]:
+    """The run's numbered checkpoints, oldest first, each with the validation logged at its step (if
+    one was): what to pick from, or average (`seq2seq average`). Read from file names and
+    metrics.jsonl, without loading a checkpoint."""
+    validations = {
+        record["step"]: {key: round(record[key], 4 if key == "loss" else 2) for key in ("loss", "bleu", "chrf")}
+        for record in MetricsLog(run_dir / "metrics.jsonl").read()
+        if record.get("kind") == "valid" and {"step", "loss", "bleu", "chrf"} <= record.keys()
+    }
+    saves = []
+    for file in numbered_checkpoints(run_dir / "checkpoints"):
+        step = int(file.stem.removeprefix("step_"))
+        saves.append({"file": file.name, "step": step} | ({"valid": validations[step]} if step in validations else {}))
+    return saves
 
 
 def _describe_checkpoint(path: Path, checkpoint: Checkpoint) -> dict[str, Any]:

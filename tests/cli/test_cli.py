@@ -109,7 +109,13 @@ def test_info_describes_the_checkpoint_a_run_directory_stands_for(trained_run):
                                        "target": model.tgt_embed.num_embeddings}  # fmt: skip
     (corpus,) = described["training"]["corpora"]
     assert corpus == {"key": "data.train", "files": [str(data / "train.en"), str(data / "train.xx")], "weight": 1.0}
-    assert json.loads(invoke("info", run_dir / "checkpoints" / "best.pt", "--json").stdout) == described
+    logged = {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+              if r["kind"] == "valid"}  # fmt: skip
+    assert [(save["file"], save["valid"]["bleu"]) for save in described["saves"]] == [
+        (f"step_{step:08d}.pt", round(logged[step]["bleu"], 2)) for step in (15, 30)
+    ]  # the run's saves, to pick from or average, with their validations
+    alone = json.loads(invoke("info", run_dir / "checkpoints" / "best.pt", "--json").stdout)
+    assert alone == {key: value for key, value in described.items() if key != "saves"}
     assert_user_error(invoke("info", data / "train.en"), "train.en", "not a readable seq2seq checkpoint")
 
 
