@@ -60,6 +60,7 @@ from seq2seq.training.validation import (
     metric_score,
     record_best,
     report_validation,
+    score_of_saved,
     validate,
 )
 from seq2seq.training.weight_average import ExponentialAverage
@@ -498,12 +499,7 @@ class Trainer:
         validated again, so that only a better model replaces it and patience counts from here."""
         metric, path, score = self.config.train.best_metric, self.run_dir.checkpoints / BEST, -math.inf
         if self.dist.is_main and path.is_file():
-            trained = {name: tensor.clone() for name, tensor in self.model.state_dict().items()}
-            self.model.load_state_dict(Checkpoint.load(path).model)
-            try:
-                score = metric_score(self.evaluate_valid(), metric)
-            finally:
-                self.model.load_state_dict(trained)
+            score = score_of_saved(path, self.model, self.evaluate_valid, metric)
             log.info("train.best_metric is now %s: best.pt validated again, %s %.4g", metric, metric, abs(score))
         self.progress.best_score, self.progress.stale_validations = self.dist.broadcast(score), 0
 

@@ -93,6 +93,17 @@ def record_best(progress: Progress, result: ValidationResult, metric: str) -> bo
     return True
 
 
+def score_of_saved(path: Path, model: torch.nn.Module, evaluate: Callable[[], ValidationResult], metric: str) -> float:
+    """The metric_score of the weights saved at `path`, validated in `model` (by `evaluate`), whose own
+    weights are put back after."""
+    trained = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    model.load_state_dict(Checkpoint.load(path).model)
+    try:
+        return metric_score(evaluate(), metric)
+    finally:
+        model.load_state_dict(trained)
+
+
 def report_validation(
     metrics: MetricsLog,
     step: int,
