@@ -167,7 +167,16 @@ def _build_checked(raw: dict[str, Any], *, origin: str, overridden: dict[str, st
 
 
 def _raise_problems(errors: list[tuple[str, str]], *, origin: str, overridden: dict[str, str]) -> None:
-    """One line per problem, naming the flag that caused it (apply_overrides) or else the file."""
+    """One line per problem, naming the flag that caused it (apply_overrides: the key it set, or a section
+    it set whole, such as --set data.extra_train=[...]) or else the file."""
     if errors:
-        lines = [f"{overridden[key]}: {msg}" if key in overridden else f"{origin}: {key}: {msg}" for key, msg in errors]
-        raise UserInputError("\n".join(lines))
+        raise UserInputError("\n".join(_problem_line(key, msg, origin, overridden) for key, msg in errors))
+
+
+def _problem_line(key: str, message: str, origin: str, overridden: dict[str, str]) -> str:
+    if key in overridden:
+        return f"{overridden[key]}: {message}"
+    setting = [given for given in overridden if key.startswith((given + ".", given + "["))]
+    if setting:
+        return f"{overridden[max(setting, key=len)]}: {key}: {message}"
+    return f"{origin}: {key}: {message}"

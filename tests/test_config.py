@@ -246,3 +246,14 @@ def test_a_set_names_a_section_of_a_list_by_its_index(tmp_path, tiny_data):
         "'extra_train' is a list of sections; name one by its index: extra_train[0]"
     )
     assert error_of(path, ["data.train[0].weight=2"]).endswith("'train' is not a list of sections")
+
+
+def test_a_problem_inside_a_section_set_whole_names_the_set_flag(tmp_path, tiny_data):
+    """--set data.extra_train=[...] gives the whole list: a problem inside it is the flag's, named with
+    the key inside (the file never said it); a key the flag did not reach stays the file's."""
+    path = write(tmp_path, tiny_config_dict(tiny_data))
+    assert error_of(path, ["data.extra_train=[foo]"]) == (
+        "--set data.extra_train: data.extra_train[0]: expected a mapping, got 'foo'"
+    )
+    assert error_of(path, ["data.train={format: tsv}"]) == "--set data.train: data.train.path: format 'tsv' needs 'path'"
+    assert error_of(path, ["data.train.format=tsv"]) == f"{path}: data.train.path: format 'tsv' needs 'path'"
