@@ -255,5 +255,6 @@ def test_a_problem_inside_a_section_set_whole_names_the_set_flag(tmp_path, tiny_
     assert error_of(path, ["data.extra_train=[foo]"]) == (
         "--set data.extra_train: data.extra_train[0]: expected a mapping, got 'foo'"
     )
-    assert error_of(path, ["data.train={format: tsv}"]) == "--set data.train: data.train.path: format 'tsv' needs 'path'"
-    assert error_of(path, ["data.train.format=tsv"]) == f"{path}: data.train.path: format 'tsv' needs 'path'"
+    needs_path = "data.train.path: format 'tsv' needs 'path'"
+    assert error_of(path, ["data.train={format: tsv}"]) == f"--set data.train: {needs_path}"
+    assert error_of(path, ["data.train.format=tsv"]) == f"{path}: {needs_path}"
