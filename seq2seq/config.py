@@ -46,7 +46,7 @@ class CorpusConfig:
     )
 
     def problems(self) -> list[tuple[str, str]]:
-        if self.tag and len(self.tag.split()) != 1:
+        if self.tag and not self.tag_is_one_token:
             return [("tag", f"expected one token without spaces, got {self.tag!r}")]
         if self.format == "text" and not (self.src and self.tgt):
             return [("src", "format 'text' needs both 'src' and 'tgt' files")]
@@ -55,6 +55,10 @@ class CorpusConfig:
         if self.format == "hf" and not (self.name or self.path):
             return [("name", "format 'hf' needs a hub 'name' or a local 'path'")]
         return []
+
+    @property
+    def tag_is_one_token(self) -> bool:
+        return len(self.tag.split()) == 1
 
     def files(self) -> dict[str, str]:
         """The local files this corpus reads, by config key (for existence checks)."""
@@ -333,7 +337,7 @@ class Config:
                 "into pieces; add it there",
             )
             for key, corpus in self.data.training_corpora()
-            if corpus.tag and corpus.tag not in self.tokenizer.user_defined_symbols and " " not in corpus.tag.strip()
+            if corpus.tag and corpus.tag_is_one_token and corpus.tag not in self.tokenizer.user_defined_symbols
         ]  # a tag of several words is its own section's problem
 
     def to_dict(self) -> dict[str, Any]:

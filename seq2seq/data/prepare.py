@@ -257,9 +257,10 @@ def prepare_training_data(
     weights = tuple(corpus.weight for _, corpus in data.training_corpora())
     if not data.subword_alpha:
         train, report = _encoded_training_split(data, tokenizer, progress=progress, sampled_seed=None)
-        _log_mixture(data, _corpus_sizes(report))
+        sizes = _corpus_sizes(report)
+        _log_mixture(data, sizes)
         return TrainingData(
-            train, valid, valid_text, text_digest=report["text"], weights=weights, corpus_sizes=(_corpus_sizes(report),)
+            train, valid, valid_text, text_digest=report["text"], weights=weights, corpus_sizes=(sizes,)
         )
     text_digest = _text_digest_reader(data, progress)  # read once for all the variants, if at all
     encoded = [
