@@ -7,7 +7,10 @@ chunk at a time; each chunk of logits is reduced to its loss while it is in cach
 gradient is wanted, turned at once into its closed-form gradient softmax(z) - (1 - eps) * onehot(y)
 - eps / V and multiplied into the gradients of the rows and of the weight. The loss is the last
 operation of the graph, so nothing it needs comes later: backward only scales the two gradients by
-the incoming one. The chunk work goes through one pass of PyTorch's softmax kernel, whose vectorised
+the incoming one. On a CPU the chunk work is one fused kernel where it is built (model/cpu_kernels.py):
+each row of logits is read once, its loss and gradient computed while it stays in the core's cache,
+and the gradient written over it, where PyTorch's operations made about ten passes over the chunk
+from memory. Elsewhere it goes through one pass of PyTorch's softmax kernel, whose vectorised
 exp is faster on CPU than torch.exp or logsumexp over the logits, into a reused buffer; the
 log-probabilities are never written: the loss needs only each row's log-sum-exp, the logits of its
 target and the logits' sum, and the log-sum-exp is the row's largest logit less the log of its
@@ -25,6 +28,7 @@ import torch
 from torch import Tensor
 
 from seq2seq.data.batching import POSITION_MULTIPLE
+from seq2seq.model.cpu_kernels import cpu_kernels
 from seq2seq.model.execution import autocast_dtype
 
 # Logits per chunk. On a CPU, 16 MiB of fp32 per buffer (512 rows of an 8k vocabulary, 256 of a 16k
@@ -32,6 +36,7 @@ from seq2seq.model.execution import autocast_dtype
 # ledger). On a GPU, 256 MiB: a 16k-token batch is one or a few chunks.
 CPU_CHUNK_ELEMENTS = 1 << 22
 GPU_CHUNK_ELEMENTS = 1 << 26
+FUSED_DTYPES = (torch.float32, torch.bfloat16)  # what cpu_kernels.cpp's loss reads
 
 
 def output_layer_loss(hidden: Tensor, weight: Tensor, target: Tensor, smoothing: float) -> Tensor:
@@ -71,6 +76,7 @@ def _loss_and_gradients(
     device, vocab, rows_in_use = hidden.device, weight.size(0), target.size(0)
     matmul_dtype = autocast_dtype(device) or hidden.dtype
     compute_dtype = torch.promote_types(matmul_dtype, torch.float32)
+    kernels = cpu_kernels() if device.type == "cpu" and matmul_dtype in FUSED_DTYPES else None
     with torch.autocast(device.type, enabled=False), torch.no_grad():
         rows, layer = hidden.to(matmul_dtype), weight.to(matmul_dtype)
         grad_rows = torch.zeros_like(hidden) if hidden_grad else None  # padding rows stay zero
@@ -78,8 +84,7 @@ def _loss_and_gradients(
         grad_weight = torch.zeros_like(weight, dtype=accumulate_dtype) if weight_grad else None
         step = _chunk_rows(device, vocab, hidden.size(0))
         logits = torch.empty((step, vocab), dtype=matmul_dtype, device=device)
-        exact = logits if matmul_dtype == compute_dtype else torch.empty_like(logits, dtype=compute_dtype)
-        scratch = torch.empty_like(exact)  # probabilities, then the gradient
+        chunk_loss = _ChunkLoss(logits, compute_dtype) if kernels is None else None
         total = torch.zeros((), dtype=torch.float64, device=device)
         for start in range(0, rows_in_use, step):
             # Every matmul of a chunk, the gradient's too, runs to the padded end of its rows: with
@@ -87,34 +92,53 @@ def _loss_and_gradients(
             # is then a multiple of it, and bf16 matmuls on CPU build one oneDNN kernel per row
             # count. Padding rows get a zero gradient.
             stop, real = min(start + step, hidden.size(0)), min(step, rows_in_use - start)
-            count = stop - start
-            z = torch.mm(rows[start:stop], layer.t(), out=logits[:count])  # (count, V)
-            z = _to_dtype(z, exact[:count])[:real]
-            chunk_target = target[start : start + real, None]
-            largest = z.amax(dim=-1, keepdim=True)
-            probs = torch.softmax(z, dim=-1, out=scratch[:real])
-            log_sum_exp = largest - probs.amax(dim=-1, keepdim=True).log_()
-            # per row -(1 - eps) log p(target) - (eps / V) sum of log p over the vocabulary, where log p = z - lse
-            total += log_sum_exp.sum()
-            total -= (1.0 - smoothing) * z.gather(1, chunk_target).sum() + (smoothing / vocab) * z.sum()
-            if grad_rows is None and grad_weight is None:
-                continue
-            grad = probs.sub_(smoothing / vocab)  # d loss / d logits, built in place
-            grad.scatter_add_(1, chunk_target, grad.new_full((real, 1), smoothing - 1.0))
-            scratch[real:count] = 0.0
-            grad = _to_dtype(scratch[:count], logits[:count])  # z is no longer needed: its buffer takes the cast
+            z = torch.mm(rows[start:stop], layer.t(), out=logits[: stop - start])  # (count, V)
+            chunk_target = target[start : start + real].contiguous()
+            if kernels is not None:  # the loss and the gradient over z, in place, one pass
+                total += kernels.label_smoothed_loss_(z, chunk_target, smoothing).sum()
+                grad = z
+            else:
+                grad = chunk_loss.add_to(total, z, chunk_target, smoothing)
             if grad_rows is not None:
-                _add_product(grad_rows[start:stop], grad, layer)
+                _add_product(grad_rows[start:stop], grad, layer, kernels)
             if grad_weight is not None:
-                _add_product(grad_weight, grad.t(), rows[start:stop])
+                _add_product(grad_weight, grad.t(), rows[start:stop], kernels)
     grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
     return total.to(compute_dtype), grad_rows, grad_weight
 
 
-def _add_product(out: Tensor, a: Tensor, b: Tensor) -> None:
-    """out += a @ b, in place when the dtypes agree (no temporary), else through one cast."""
+class _ChunkLoss:
+    """PyTorch's path for a chunk (cpu_kernels.cpp fuses it where it is built): fp32 buffers reused
+    from chunk to chunk, and one softmax pass."""
+
+    def __init__(self, logits: Tensor, compute_dtype: torch.dtype) -> None:
+        self.logits = logits
+        self.exact = logits if logits.dtype == compute_dtype else torch.empty_like(logits, dtype=compute_dtype)
+        self.scratch = torch.empty_like(self.exact)  # probabilities, then the gradient
+
+    def add_to(self, total: Tensor, z: Tensor, target: Tensor, smoothing: float) -> Tensor:
+        """Add the chunk's loss to total; return its gradient (count, V) in z's dtype, in z's buffer."""
+        count, real, vocab = z.size(0), target.size(0), z.size(1)
+        z = _to_dtype(z, self.exact[:count])[:real]
+        largest = z.amax(dim=-1, keepdim=True)
+        probs = torch.softmax(z, dim=-1, out=self.scratch[:real])
+        log_sum_exp = largest - probs.amax(dim=-1, keepdim=True).log_()
+        # per row -(1 - eps) log p(target) - (eps / V) sum of log p over the vocabulary, where log p = z - lse
+        total += log_sum_exp.sum()
+        total -= (1.0 - smoothing) * z.gather(1, target[:, None]).sum() + (smoothing / vocab) * z.sum()
+        grad = probs.sub_(smoothing / vocab)  # d loss / d logits, built in place
+        grad.scatter_add_(1, target[:, None], grad.new_full((real, 1), smoothing - 1.0))
+        self.scratch[real:count] = 0.0
+        return _to_dtype(self.scratch[:count], self.logits[:count])  # z is no longer needed: its buffer takes the cast
+
+
+def _add_product(out: Tensor, a: Tensor, b: Tensor, kernels) -> None:
+    """out += a @ b, in place when the dtypes agree (no temporary), else through one cast (fused
+    into the addition where the CPU kernels are built)."""
     if out.dtype == a.dtype:
         out.addmm_(a, b)
+    elif kernels is not None and out.dtype == torch.float32 and a.dtype == torch.bfloat16:
+        kernels.add_bf16_(out, torch.mm(a, b))
     else:
         out.add_(torch.mm(a, b))
 

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
+from seq2seq.model.cpu_kernels import cpu_kernels
 from seq2seq.training import loss as loss_module
 from seq2seq.training.loss import output_layer_loss
 
@@ -60,7 +61,7 @@ def test_without_gradients_the_loss_is_the_same(monkeypatch):
     torch.testing.assert_close(value, _reference(hidden, weight, target, 0.0)[0])
 
 
-def test_logits_far_apart_keep_an_exact_loss_and_gradient(monkeypatch):
+def test_logits_far_apart_keep_an_exact_loss_and_gradient(cpu_path, monkeypatch):
     """Logits hundreds apart in fp32: most probabilities underflow to zero, targets' among them, and
     the loss (a log-sum-exp less each target's logit) must still be that of float64."""
     monkeypatch.setattr(loss_module, "CPU_CHUNK_ELEMENTS", 7 * 11)
@@ -138,3 +139,84 @@ def test_the_logits_never_exist_whole(monkeypatch):
     unfused = largest_allocation(lambda: F.cross_entropy(F.linear(hidden, weight)[:1000], target, reduction="sum"))
     assert unfused >= logits_bytes  # the check sees a whole-logits allocation where there is one
     assert fused < logits_bytes / 2, f"{fused:,} bytes in one allocation"
+
+
+@pytest.fixture(params=["fused", "pytorch"])
+def cpu_path(request, monkeypatch):
+    """The loss on a CPU through cpu_kernels.cpp's fused kernel, or through PyTorch's operations."""
+    if request.param == "pytorch":
+        monkeypatch.setattr(loss_module, "cpu_kernels", lambda: None)
+    elif cpu_kernels() is None:
+        pytest.skip("the fused CPU kernels are not built on this machine (no C++ compiler, or not Linux)")
+    return request.param
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
+def test_both_cpu_paths_give_pytorchs_loss_and_gradients(cpu_path, autocast, smoothing, monkeypatch):
+    """fp32 and bf16 logits, chunks with a ragged one and padding rows, targets at both ends of the
+    vocabulary: the loss of F.cross_entropy over the same logits, and its gradients."""
+    monkeypatch.setattr(loss_module, "CPU_CHUNK_ELEMENTS", 16 * 301)  # 16-row chunks
+    hidden, weight = _inputs(72, 24, 301, dtype=torch.float32)
+    target = torch.randint(0, 301, (60,))
+    target[:2] = torch.tensor([0, 300])
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        ours = output_layer_loss(hidden, weight, target, smoothing)
+        grads = torch.autograd.grad(ours * 3.0, (hidden, weight))
+        logits = F.linear(hidden[:60], weight)
+    expected = F.cross_entropy(logits.float(), target, label_smoothing=smoothing, reduction="sum")
+    expected_grads = torch.autograd.grad(expected * 3.0, (hidden, weight))
+    torch.testing.assert_close(ours, expected)
+    tolerance = 1e-2 if autocast else 1e-5  # bf16: the gradient of the logits is rounded to bf16
+    for grad, expected_grad in zip(grads, expected_grads):
+        assert torch.linalg.vector_norm(grad - expected_grad) <= tolerance * torch.linalg.vector_norm(expected_grad)
+    assert torch.count_nonzero(grads[0][60:]) == 0
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
+def test_the_fused_kernel_computes_what_the_pytorch_path_does(autocast, monkeypatch):
+    """Held to each other on one input: the losses to fp32's rounding, the gradients to one rounding
+    of their dtype (the kernel's exp is a polynomial, PyTorch's another)."""
+    if cpu_kernels() is None:
+        pytest.skip("the fused CPU kernels are not built on this machine (no C++ compiler, or not Linux)")
+    hidden, weight = _inputs(200, 32, 1000, dtype=torch.float32)
+    target = torch.randint(0, 1000, (190,))
+
+    def run():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = output_layer_loss(hidden, weight, target, 0.1)
+            return loss, *torch.autograd.grad(loss, (hidden, weight))
+
+    fused = run()
+    monkeypatch.setattr(loss_module, "cpu_kernels", lambda: None)
+    reference = run()
+    torch.testing.assert_close(fused[0], reference[0], rtol=1e-6, atol=0)
+    for ours, theirs in zip(fused[1:], reference[1:]):
+        torch.testing.assert_close(ours, theirs, rtol=1e-2 if autocast else 1e-5, atol=1e-5 if autocast else 1e-7)
+
+
+def test_the_fused_kernel_gives_the_same_bits_on_any_number_of_threads():
+    """A resumed run on another thread count computes the same steps: each row is one thread's work."""
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("the fused CPU kernels are not built on this machine (no C++ compiler, or not Linux)")
+    logits = torch.randn(96, 500).bfloat16()
+    target = torch.randint(0, 500, (90,))
+    results = []
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 3):
+            torch.set_num_threads(count)
+            grad = logits.clone()
+            results.append((kernels.label_smoothed_loss_(grad, target, 0.1), grad))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+def test_the_fused_kernel_refuses_a_target_outside_the_vocabulary():
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("the fused CPU kernels are not built on this machine (no C++ compiler, or not Linux)")
+    with pytest.raises(RuntimeError, match="target id out of range"):
+        kernels.label_smoothed_loss_(torch.zeros(4, 10), torch.tensor([1, 10]), 0.1)

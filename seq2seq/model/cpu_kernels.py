@@ -1,0 +1,123 @@
+"""Fused CPU kernels (cpu_kernels.cpp), built for this machine the first time they are needed.
+
+Where a CPU's matrix products are fast (bf16 on AMX), a training step is bound by the memory traffic
+of the work between them. PyTorch runs that work as one pass over a whole tensor per operation, each
+reading and writing DRAM: the output layer's loss made about ten passes over every chunk of logits.
+A fused kernel reads a row once and keeps it in the core's cache for every step of its work.
+torch.compile's CPU code for the same work was slower than eager PyTorch (docs/performance.md, tried
+and not taken) and the library that shipped such kernels, intel-extension-for-pytorch, stops at
+PyTorch 2.8, so they are written here and compiled with PyTorch's extension builder (a C++
+compiler and ninja): a few seconds, once, then cached by source, PyTorch version and CPU. They are
+built with `-march=native`, so the cache key holds the CPU's flags: a cache shared by machines of
+several kinds keeps one build per kind.
+
+`cpu_kernels()` is None where they cannot be built (no compiler: one warning says so), where
+SEQ2SEQ_CPU_KERNELS=0 is set, or on a machine that is not Linux; callers then take their PyTorch
+path, which computes the same (tests hold the two paths to each other).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+SWITCH = "SEQ2SEQ_CPU_KERNELS"  # "0": never build or use them (compare speed, rule them out)
+COMPILE_FLAGS = ("-O3", "-march=native")
+REASON_CHARS = 200  # of a build error in the warning (its first line holds the whole compile command)
+
+
+@functools.cache
+def cpu_kernels():
+    """The kernels' op namespace (torch.ops.seq2seq_cpu), or None where they are not available."""
+    if os.environ.get(SWITCH, "1") == "0" or platform.system() != "Linux":
+        return None
+    try:
+        _load()
+    except Exception as error:  # no compiler or ninja, or a build error: the PyTorch path computes the same
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        log.warning("fused CPU kernels unavailable (%s): the loss takes PyTorch's slower path",
+                    reason if len(reason) <= REASON_CHARS else reason[:REASON_CHARS] + "...")  # fmt: skip
+        return None
+    return torch.ops.seq2seq_cpu
+
+
+def _load() -> None:
+    """Load the cached build for this machine, or build it (in a fresh folder, then renamed into the
+    cache: builds that race, from two processes, each finish and the last rename wins)."""
+    openmp = _openmp_runtime()
+    flags = [*COMPILE_FLAGS, "-fopenmp" if openmp else "-fopenmp-simd"]
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), torch.__version__, *flags, str(openmp), _cpu_flags()])
+                         .encode()).hexdigest()[:16]  # fmt: skip
+    cache = _cache_dir()
+    built = cache / f"seq2seq_cpu_{key}.so"
+    if built.exists():
+        torch.ops.load_library(str(built))
+        return
+    log.info("building the fused CPU kernels for this machine (once, a few seconds)")
+    cache.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(dir=cache, prefix="build-"))
+    try:
+        from torch.utils import cpp_extension
+
+        with _ninja_on_path():
+            cpp_extension.load(f"seq2seq_cpu_{key}", [str(SOURCE)], extra_cflags=flags, is_python_module=False,
+                               extra_ldflags=[openmp] if openmp else [], build_directory=str(work))  # fmt: skip
+        os.replace(work / built.name, built)  # loaded above; later processes load the cached file
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _openmp_runtime() -> str | None:
+    """The OpenMP library this process's PyTorch runs on, which the kernels must link to as well:
+    linking the compiler's own could load a second OpenMP runtime beside PyTorch's, two pools of
+    threads contending for the cores. None where PyTorch runs without one (the kernels then run on one
+    thread)."""
+    maps = Path("/proc/self/maps")
+    if not maps.exists() or torch.__config__.parallel_info().find("OpenMP") < 0:
+        return None
+    for line in maps.read_text().splitlines():
+        path = line.split()[-1]
+        if Path(path).name.startswith(("libgomp", "libiomp")) and ".so" in path:
+            return path
+    return None
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (what -march=native compiles for)."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    return platform.processor()
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "seq2seq" / "cpu_kernels"
+
+
+@contextlib.contextmanager
+def _ninja_on_path():
+    """PyTorch's builder runs `ninja` from PATH; the ninja package installed with seq2seq puts it in
+    the virtual environment's bin folder, which a run of .venv/bin/seq2seq need not have on PATH."""
+    saved = os.environ.get("PATH", "")
+    if shutil.which("ninja") is None:
+        with contextlib.suppress(ImportError):
+            import ninja
+
+            os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, saved])
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = saved
