@@ -17,12 +17,15 @@ sides return the heap's free pages to the kernel every 10 steps, as the trainer 
 high-water mark, is what shows growth). It prints the records and how much the window peak grew after the first tenth of
 the run, and --plot writes them as a PNG. The side "ours bf16 untrimmed" leaves the heap release
 out, to measure what it costs and saves; "ours bf16 autocast" trains without the bf16 working copy
-(seq2seq/training/working_copy.py), casting each weight at each use, to measure what that saves.
+(seq2seq/training/working_copy.py), casting each weight at each use, to measure what that saves;
+"ours fp32 unfused" and "ours bf16 unfused" train without the fused CPU kernels
+(seq2seq/model/cpu_kernels.py), PyTorch's operations alone.
 
     python benchmarks/benchmark_train.py [--config configs/bible_en_es.yaml] [--steps 20]
     python benchmarks/benchmark_train.py --steps 2000 --plot memory.png   # a long run
     python benchmarks/benchmark_train.py --steps 600 --sides "ours bf16" "ours bf16 untrimmed"  # the heap release
     python benchmarks/benchmark_train.py --steps 200 --sides "reference fp32" "ours bf16 autocast" "ours bf16"
+    python benchmarks/benchmark_train.py --steps 200 --sides "reference fp32" "ours bf16 unfused" "ours bf16"
     python benchmarks/benchmark_train.py --model base --max-tokens 16000 --sides "ours bf16"   # on a GPU
     python benchmarks/benchmark_train.py --sides "ours bf16" --warmup 30 --steps 200 --compile --gpu-code-path
 """
@@ -33,6 +36,7 @@ import argparse
 import itertools
 import math
 import multiprocessing
+import os
 import sys
 import tempfile
 import time
@@ -54,6 +58,7 @@ from seq2seq.data.prepare import encode_training_split, stream_split
 from seq2seq.data.special_tokens import PAD_ID
 from seq2seq.data.tokenizer import Tokenizer, load_or_train_tokenizer
 from seq2seq.errors import UserInputError
+from seq2seq.model.cpu_kernels import SWITCH as CPU_KERNELS_SWITCH
 from seq2seq.model.execution import Rows
 from seq2seq.model.transformer import build_model, sinusoidal_positions
 from seq2seq.training.host_memory import HEAP_TRIM_EVERY, release_free_heap
@@ -70,7 +75,16 @@ MODELS = {  # the issue's CPU model, and Transformer-base of "Attention Is All Y
              "model.decoder_layers=6", *COMMON],
 }  # fmt: skip
 # untrimmed: without host_memory; fp16 (loss-scaled) is meant for CUDA: our trainer refuses it on a CPU
-SIDES = ("reference fp32", "ours fp32", "ours bf16", "ours bf16 untrimmed", "ours bf16 autocast", "ours fp16")
+SIDES = (
+    "reference fp32",
+    "ours fp32",
+    "ours bf16",
+    "ours bf16 untrimmed",
+    "ours bf16 autocast",
+    "ours fp16",
+    "ours fp32 unfused",
+    "ours bf16 unfused",
+)
 TARGET_SPEEDUP = {"fp32": 1.8, "bf16": 2.2, "fp16": 2.2}  # over the reference, equal windows (issue "Start here")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -231,6 +245,8 @@ def run_the_gpu_code_path() -> None:
 
 def run_side(args, side: str, queue) -> None:
     torch.set_num_threads(args.threads)
+    if side.endswith("unfused"):  # this process never builds or loads the fused CPU kernels
+        os.environ[CPU_KERNELS_SWITCH] = "0"
     if args.gpu_code_path:
         run_the_gpu_code_path()
     config, tokenizer, corpus = prepare(args, side_precision(side))
