@@ -241,6 +241,7 @@ def run_the_gpu_code_path() -> None:
     PyTorch's dropout, the two CPU-only choices at which torch.compile breaks its graph on a CPU."""
     Rows.of = classmethod(lambda cls, keep, multiple: cls(keep.size(0), keep.size(1), multiple))
     dropout_module.dropout = lambda x, p, *, training: F.dropout(x, p, training=training)
+    os.environ[CPU_KERNELS_SWITCH] = "0"  # the residual's dropout_add too
 
 
 def run_side(args, side: str, queue) -> None:

@@ -9,6 +9,7 @@ import torch
 import yaml
 
 from seq2seq.data.demo_data import make_demo_corpus
+from seq2seq.model.cpu_kernels import SWITCH, cpu_kernels
 
 
 def write_pairs(directory: Path, split: str, pairs: list[tuple[str, str]]) -> tuple[Path, Path]:
@@ -111,3 +112,23 @@ def learned_checkpoint(tmp_path_factory, demo_pairs) -> tuple[Path, Path]:
     """A model that translates (300 steps, valid BLEU above 30), for the checks a half-trained model
     cannot make, such as a BLEU drop."""
     return _trained(tmp_path_factory, demo_pairs, "learned", 300)
+
+
+@pytest.fixture(params=["fused", "pytorch"])
+def cpu_path(request, monkeypatch):
+    """The test runs twice: through the fused CPU kernels (model/cpu_kernels.py) and through PyTorch's
+    operations alone, the path of a machine where they cannot be built."""
+    if request.param == "pytorch":
+        monkeypatch.setenv(SWITCH, "0")
+    elif cpu_kernels() is None:
+        pytest.skip("the fused CPU kernels are not built on this machine (no C++ compiler, or not Linux)")
+    return request.param
+
+
+@pytest.fixture
+def fused_kernels():
+    """The fused CPU kernels' ops, for tests of the kernels themselves."""
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("the fused CPU kernels are not built on this machine (no C++ compiler, or not Linux)")
+    return kernels

@@ -8,6 +8,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
@@ -15,6 +16,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -136,14 +138,87 @@ void add_bf16_(at::Tensor out, const at::Tensor& addend) {
   });
 }
 
+// Dropout's random bits: element i reads lane i % 4 (16 bits) of word i / 4, and word w is SplitMix64's
+// output w of the stream that starts at `seed` (a 64-bit draw from PyTorch's generator per call). A
+// word depends on the seed and its index alone, so any thread computes any part of the mask, and the
+// backward pass recomputes the mask from the seed instead of keeping it.
+constexpr int64_t kWordsPerBlock = 256;
+
+inline void draw_words(uint64_t seed, int64_t first_word, uint64_t* words) {
+#pragma omp simd
+  for (int64_t w = 0; w < kWordsPerBlock; ++w) {
+    uint64_t z = seed + static_cast<uint64_t>(first_word + w + 1) * 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    words[w] = z ^ (z >> 31);
+  }
+}
+
+// out = addend + x * scale where an element is kept (its 16 bits at or above `dropped_below`), addend
+// where it is dropped; without an addend, 0 where dropped. One pass: read x (and the addend), write out.
+template <typename T>
+void masked_scale_block(const T* x, const T* addend, T* out, int64_t begin, int64_t end, uint64_t seed,
+                        uint32_t dropped_below, float scale) {
+  uint64_t words[kWordsPerBlock];
+  const int64_t block = kWordsPerBlock * 4;
+  for (int64_t start = begin - begin % block; start < end; start += block) {
+    draw_words(seed, start / 4, words);
+    const uint16_t* bits = reinterpret_cast<const uint16_t*>(words);
+    const int64_t from = start < begin ? begin : start, to = start + block < end ? start + block : end;
+    if (addend == nullptr) {
+#pragma omp simd
+      for (int64_t i = from; i < to; ++i) store(out + i, bits[i - start] >= dropped_below ? load(x[i]) * scale : 0.0f);
+    } else {
+#pragma omp simd
+      for (int64_t i = from; i < to; ++i) {
+        const float kept = bits[i - start] >= dropped_below ? load(x[i]) * scale : 0.0f;
+        store(out + i, load(addend[i]) + kept);
+      }
+    }
+  }
+}
+
+// Dropout of x at the probability `dropped_below` / 65,536, kept elements scaled by `scale`, added to
+// `addend` where one is given (a residual connection); the same seed gives the same mask, forward
+// and backward.
+at::Tensor dropout(const at::Tensor& x, const std::optional<at::Tensor>& addend, const at::Tensor& seed,
+                   int64_t dropped_below, double scale) {
+  TORCH_CHECK(x.device().is_cpu() && x.is_contiguous(), "x: a contiguous CPU tensor");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x: fp32 or bf16");
+  TORCH_CHECK(!addend.has_value() || (addend->scalar_type() == x.scalar_type() && addend->is_contiguous() &&
+                                      addend->sizes() == x.sizes()),
+              "addend: contiguous, of x's dtype and shape");
+  TORCH_CHECK(dropped_below >= 0 && dropped_below < 65536, "dropped_below: in [0, 65536)");
+  TORCH_CHECK(seed.device().is_cpu() && seed.scalar_type() == at::kLong && seed.numel() == 1, "seed: one int64");
+  at::Tensor out = at::empty_like(x);
+  const auto below = static_cast<uint32_t>(dropped_below);
+  const auto key = static_cast<uint64_t>(seed.item<int64_t>());
+  const auto factor = static_cast<float>(scale);
+  // Blocks of 1,024 elements per task at least: a thread's share begins and ends inside blocks, and
+  // draws a boundary block's words again (the same words: the result is the same for any thread count).
+  at::parallel_for(0, x.numel(), 1 << 14, [&](int64_t begin, int64_t end) {
+    if (x.scalar_type() == at::kBFloat16) {
+      using T = c10::BFloat16;
+      masked_scale_block(x.data_ptr<T>(), addend ? addend->data_ptr<T>() : nullptr, out.data_ptr<T>(), begin, end,
+                         key, below, factor);
+    } else {
+      masked_scale_block(x.data_ptr<float>(), addend ? addend->data_ptr<float>() : nullptr, out.data_ptr<float>(),
+                         begin, end, key, below, factor);
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(seq2seq_cpu, m) {
   m.def("label_smoothed_loss_(Tensor(a!) logits, Tensor target, float smoothing) -> Tensor");
   m.def("add_bf16_(Tensor(a!) out, Tensor addend) -> ()");
+  m.def("dropout(Tensor x, Tensor? addend, Tensor seed, int dropped_below, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(seq2seq_cpu, CPU, m) {
   m.impl("label_smoothed_loss_", &label_smoothed_loss_);
   m.impl("add_bf16_", &add_bf16_);
+  m.impl("dropout", &dropout);
 }

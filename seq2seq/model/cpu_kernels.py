@@ -35,18 +35,25 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 SWITCH = "SEQ2SEQ_CPU_KERNELS"  # "0": never build or use them (compare speed, rule them out)
 COMPILE_FLAGS = ("-O3", "-march=native")
-REASON_CHARS = 200  # of a build error in the warning (its first line holds the whole compile command)
+REASON_CHARS = 200  # of a build error's line in the warning
+
+
+def cpu_kernels():
+    """The kernels' op namespace (torch.ops.seq2seq_cpu), or None where they are not available or
+    switched off (read at every call, so that a test or a benchmark can switch them off for a while)."""
+    return None if os.environ.get(SWITCH, "1") == "0" else _built()
 
 
 @functools.cache
-def cpu_kernels():
-    """The kernels' op namespace (torch.ops.seq2seq_cpu), or None where they are not available."""
-    if os.environ.get(SWITCH, "1") == "0" or platform.system() != "Linux":
+def _built():
+    """Build or load the kernels once per process; None where that cannot be done."""
+    if platform.system() != "Linux":
         return None
     try:
         _load()
     except Exception as error:  # no compiler or ninja, or a build error: the PyTorch path computes the same
-        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        lines = str(error).strip().splitlines() or [type(error).__name__]
+        reason = next((line for line in lines if "error:" in line), lines[0])  # the compiler's, where it has one
         log.warning("fused CPU kernels unavailable (%s): the loss takes PyTorch's slower path",
                     reason if len(reason) <= REASON_CHARS else reason[:REASON_CHARS] + "...")  # fmt: skip
         return None

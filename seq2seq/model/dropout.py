@@ -8,6 +8,12 @@ p x 65,536, in a fraction of bernoulli_'s time. The drop probability
 is p rounded to a multiple of 1/65,536 (0.1 becomes 0.100006) and kept elements are scaled by
 1 / (1 - that probability), so the expected output is still the input. On GPUs PyTorch's fused
 kernel is fast already and is used as is.
+
+Where the fused CPU kernels are built (cpu_kernels.py), drawing the bits, masking and scaling (and
+the residual connection's addition, `dropout_add`) are one pass over memory, where they were four
+or five: the bits come from a counter-based generator keyed by one draw from PyTorch's generator per
+call, so the backward pass draws the same mask again from the key instead of keeping it. The masks
+differ from those of the PyTorch path; each path is reproducible from the seed.
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from seq2seq.model.cpu_kernels import cpu_kernels
 
 _LEVELS = 1 << 16  # 16 random bits per element
 
@@ -25,7 +33,24 @@ def dropout(x: Tensor, p: float, *, training: bool) -> Tensor:
         return x
     if x.device.type != "cpu" or round(p * _LEVELS) >= _LEVELS:
         return F.dropout(x, p, training=True)
+    if _fused(x):
+        return _FusedDropout.apply(x, None, p)
     return _MaskedScale.apply(x, p)
+
+
+def dropout_add(residual: Tensor, x: Tensor, p: float, *, training: bool) -> Tensor:
+    """residual + dropout(x, p, training=training), in one pass on a CPU where the fused kernels are built."""
+    alike = residual.shape == x.shape and residual.dtype == x.dtype
+    if training and p > 0.0 and round(p * _LEVELS) < _LEVELS and alike and _fused(x) and _fused(residual):
+        return _FusedDropout.apply(x, residual, p)
+    return residual + dropout(x, p, training=training)
+
+
+def _fused(x: Tensor) -> bool:
+    """Whether x takes the fused CPU kernel (not while torch.compile traces: it has no graph for it)."""
+    if torch.compiler.is_compiling() or x.device.type != "cpu":
+        return False
+    return x.dtype in (torch.float32, torch.bfloat16) and cpu_kernels() is not None
 
 
 class Dropout(nn.Module):
@@ -95,3 +120,20 @@ def _apply(x: Tensor, mask: Tensor, scale: float) -> Tensor:
     if mask.dtype == torch.bool:
         return x.masked_fill(mask, 0).mul_(scale)
     return (x * mask).mul_(scale)
+
+
+class _FusedDropout(torch.autograd.Function):
+    """dropout(x), plus residual where one is given, through cpu_kernels.cpp: the mask is redrawn from
+    its key in the backward pass, so nothing of it is kept."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, residual: Tensor | None, p: float) -> Tensor:
+        ctx.key = torch.empty((), dtype=torch.int64).random_(-(2**63), None)  # from the seeded generator
+        ctx.dropped_below, ctx.scale, ctx.has_residual = round(p * _LEVELS), _scale(p), residual is not None
+        addend = None if residual is None else residual.contiguous()
+        return cpu_kernels().dropout(x.contiguous(), addend, ctx.key, ctx.dropped_below, ctx.scale)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor | None, None]:
+        grad_x = cpu_kernels().dropout(grad.contiguous(), None, ctx.key, ctx.dropped_below, ctx.scale)
+        return grad_x, grad if ctx.has_residual else None, None

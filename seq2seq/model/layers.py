@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from seq2seq.config import ModelConfig
-from seq2seq.model.dropout import Dropout
+from seq2seq.model.dropout import Dropout, dropout_add
 from seq2seq.model.execution import LayerCache, Memory, Rows, attention, attention_dtype, probabilities, split_heads
 
 
@@ -108,9 +108,10 @@ class Residual(nn.Module):
         self.pre_norm = pre_norm
 
     def forward(self, x: Tensor, sublayer) -> Tensor:
+        p, training = self.dropout.p, self.training  # dropout_add(x, y) is x + dropout(y), fused where it can be
         if self.pre_norm:
-            return x + self.dropout(sublayer(self.norm(x)))
-        return self.norm(x + self.dropout(sublayer(x)))
+            return dropout_add(x, sublayer(self.norm(x)), p, training=training)
+        return self.norm(dropout_add(x, sublayer(x), p, training=training))
 
 
 def _attention(config: ModelConfig) -> MultiHeadAttention:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import logging
 
-from seq2seq.model.cpu_kernels import SWITCH, cpu_kernels
+from seq2seq.model.cpu_kernels import SWITCH, _built, cpu_kernels
 
 
 def test_the_switch_turns_them_off(monkeypatch):
     monkeypatch.setenv(SWITCH, "0")
-    assert cpu_kernels.__wrapped__() is None
+    assert cpu_kernels() is None
 
 
 def test_a_build_that_fails_is_one_warning_and_leaves_nothing_behind(tmp_path, monkeypatch, caplog):
@@ -17,6 +17,6 @@ def test_a_build_that_fails_is_one_warning_and_leaves_nothing_behind(tmp_path, m
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     with caplog.at_level(logging.WARNING, logger="seq2seq"):
-        assert cpu_kernels.__wrapped__() is None
+        assert _built.__wrapped__() is None
     assert "fused CPU kernels unavailable" in caplog.text
     assert list((tmp_path / "seq2seq" / "cpu_kernels").iterdir()) == []

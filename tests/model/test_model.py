@@ -12,6 +12,7 @@ from torch import Tensor, nn
 import seq2seq.model.dropout as dropout_module
 from seq2seq.config import ModelConfig
 from seq2seq.data.special_tokens import PAD_ID, padding_mask
+from seq2seq.model.cpu_kernels import SWITCH as CPU_KERNELS_SWITCH
 from seq2seq.model.execution import ROW_MULTIPLE, Memory, Rows, attention, split_heads
 from seq2seq.model.interop import to_torch_transformer
 from seq2seq.model.layers import memory_keys_values
@@ -291,6 +292,7 @@ def gpu_code_path(monkeypatch):
     every_position = classmethod(lambda cls, keep, multiple: cls(keep.size(0), keep.size(1), multiple))
     monkeypatch.setattr(Rows, "of", every_position)
     monkeypatch.setattr(dropout_module, "dropout", lambda x, p, *, training: F.dropout(x, p, training=training))
+    monkeypatch.setenv(CPU_KERNELS_SWITCH, "0")  # dropout_add: the residual's addition, then the dropout above
 
 
 @pytest.mark.usefixtures("gpu_code_path")

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from seq2seq.model.cpu_kernels import cpu_kernels
+from seq2seq.model.cpu_kernels import SWITCH
 from seq2seq.training import loss as loss_module
 from seq2seq.training.loss import output_layer_loss
 
@@ -141,16 +141,6 @@ def test_the_logits_never_exist_whole(monkeypatch):
     assert fused < logits_bytes / 2, f"{fused:,} bytes in one allocation"
 
 
-@pytest.fixture(params=["fused", "pytorch"])
-def cpu_path(request, monkeypatch):
-    """The loss on a CPU through cpu_kernels.cpp's fused kernel, or through PyTorch's operations."""
-    if request.param == "pytorch":
-        monkeypatch.setattr(loss_module, "cpu_kernels", lambda: None)
-    elif cpu_kernels() is None:
-        pytest.skip("the fused CPU kernels are not built on this machine (no C++ compiler, or not Linux)")
-    return request.param
-
-
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
 def test_both_cpu_paths_give_pytorchs_loss_and_gradients(cpu_path, autocast, smoothing, monkeypatch):
@@ -174,11 +164,9 @@ def test_both_cpu_paths_give_pytorchs_loss_and_gradients(cpu_path, autocast, smo
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
-def test_the_fused_kernel_computes_what_the_pytorch_path_does(autocast, monkeypatch):
+def test_the_fused_kernel_computes_what_the_pytorch_path_does(autocast, fused_kernels, monkeypatch):
     """Held to each other on one input: the losses to fp32's rounding, the gradients to one rounding
     of their dtype (the kernel's exp is a polynomial, PyTorch's another)."""
-    if cpu_kernels() is None:
-        pytest.skip("the fused CPU kernels are not built on this machine (no C++ compiler, or not Linux)")
     hidden, weight = _inputs(200, 32, 1000, dtype=torch.float32)
     target = torch.randint(0, 1000, (190,))
 
@@ -188,18 +176,15 @@ def test_the_fused_kernel_computes_what_the_pytorch_path_does(autocast, monkeypa
             return loss, *torch.autograd.grad(loss, (hidden, weight))
 
     fused = run()
-    monkeypatch.setattr(loss_module, "cpu_kernels", lambda: None)
+    monkeypatch.setenv(SWITCH, "0")
     reference = run()
     torch.testing.assert_close(fused[0], reference[0], rtol=1e-6, atol=0)
     for ours, theirs in zip(fused[1:], reference[1:]):
         torch.testing.assert_close(ours, theirs, rtol=1e-2 if autocast else 1e-5, atol=1e-5 if autocast else 1e-7)
 
 
-def test_the_fused_kernel_gives_the_same_bits_on_any_number_of_threads():
+def test_the_fused_kernel_gives_the_same_bits_on_any_number_of_threads(fused_kernels):
     """A resumed run on another thread count computes the same steps: each row is one thread's work."""
-    kernels = cpu_kernels()
-    if kernels is None:
-        pytest.skip("the fused CPU kernels are not built on this machine (no C++ compiler, or not Linux)")
     logits = torch.randn(96, 500).bfloat16()
     target = torch.randint(0, 500, (90,))
     results = []
@@ -208,15 +193,12 @@ def test_the_fused_kernel_gives_the_same_bits_on_any_number_of_threads():
         for count in (1, 3):
             torch.set_num_threads(count)
             grad = logits.clone()
-            results.append((kernels.label_smoothed_loss_(grad, target, 0.1), grad))
+            results.append((fused_kernels.label_smoothed_loss_(grad, target, 0.1), grad))
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
 
 
-def test_the_fused_kernel_refuses_a_target_outside_the_vocabulary():
-    kernels = cpu_kernels()
-    if kernels is None:
-        pytest.skip("the fused CPU kernels are not built on this machine (no C++ compiler, or not Linux)")
+def test_the_fused_kernel_refuses_a_target_outside_the_vocabulary(fused_kernels):
     with pytest.raises(RuntimeError, match="target id out of range"):
-        kernels.label_smoothed_loss_(torch.zeros(4, 10), torch.tensor([1, 10]), 0.1)
+        fused_kernels.label_smoothed_loss_(torch.zeros(4, 10), torch.tensor([1, 10]), 0.1)

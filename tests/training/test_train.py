@@ -37,16 +37,17 @@ def test_tiny_model_learns_loss_falls_and_bleu_rises(tmp_path, learned_checkpoin
 @pytest.mark.skipif(
     torch.__version__.split("+")[0] != PINNED_WITH_TORCH, reason=f"losses pinned with torch {PINNED_WITH_TORCH}"
 )
-def test_first_losses_are_pinned(tmp_path, tiny_data):
+def test_first_losses_are_pinned(tmp_path, tiny_data, cpu_path):
     """A loss-regression test: the first steps of the tiny config must not drift silently. The figures
-    are one build's arithmetic (torch 2.11 on the GPU machine's CPU gave 6.625 for the first)."""
+    are one build's arithmetic (torch 2.11 on the GPU machine's CPU gave 6.625 for the first); the
+    fused CPU kernels draw other dropout masks than PyTorch's path, so each path has its own."""
     trainer = make_trainer(tmp_path, tiny_data, max_steps=4, log_every=1, valid_every=100, device="cpu")
     trainer.run()
     losses = [round(r["loss"], 3) for r in trainer.metrics.read() if r["kind"] == "train"]
-    assert losses == pytest.approx(PINNED_LOSSES, abs=2e-3)
+    assert losses == pytest.approx(PINNED_LOSSES[cpu_path], abs=2e-3)
 
 
-PINNED_LOSSES = [6.679, 6.693, 6.597, 6.492]
+PINNED_LOSSES = {"pytorch": [6.679, 6.693, 6.597, 6.492], "fused": [6.692, 6.679, 6.589, 6.496]}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA; fp16 is allowed there")
