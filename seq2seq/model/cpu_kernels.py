@@ -8,8 +8,9 @@ torch.compile's CPU code for the same work was slower than eager PyTorch (docs/p
 and not taken) and the library that shipped such kernels, intel-extension-for-pytorch, stops at
 PyTorch 2.8, so they are written here and compiled with PyTorch's extension builder (a C++
 compiler and ninja): a few seconds, once, then cached by source, PyTorch version and CPU. They are
-built with `-march=native`, so the cache key holds the CPU's flags: a cache shared by machines of
-several kinds keeps one build per kind.
+built with `-march=native` (fewer instructions where ATEN_CPU_CAPABILITY caps PyTorch's), so the
+cache key holds the flags and the CPU's: a cache shared by machines of several kinds keeps one build
+per kind.
 
 `cpu_kernels()` is None where they cannot be built (no compiler: one warning says so), where
 SEQ2SEQ_CPU_KERNELS=0 is set, or on a machine that is not Linux; callers then take their PyTorch
@@ -34,7 +35,12 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 SWITCH = "SEQ2SEQ_CPU_KERNELS"  # "0": never build or use them (compare speed, rule them out)
-COMPILE_FLAGS = ("-O3", "-march=native")
+# -ffp-contract=off: no multiply and add fused into one rounding, so that a sum rounds as PyTorch's
+# separate operations do (dropout_add equals x + dropout(y) bitwise in fp32) on every CPU.
+COMPILE_FLAGS = ("-O3", "-ffp-contract=off")
+# PyTorch's own cap on the vector instructions of its CPU kernels, which ours follow too: an AVX-512
+# machine run with ATEN_CPU_CAPABILITY=avx2 stands in for an AVX2-only one (benchmarks/ledger.py).
+CAPPED_TARGETS = {"default": "-march=x86-64", "avx2": "-march=haswell"}
 REASON_CHARS = 200  # of a build error's line in the warning
 
 
@@ -64,7 +70,7 @@ def _load() -> None:
     """Load the cached build for this machine, or build it (in a fresh folder, then renamed into the
     cache: builds that race, from two processes, each finish and the last rename wins)."""
     openmp = _openmp_runtime()
-    flags = [*COMPILE_FLAGS, "-fopenmp" if openmp else "-fopenmp-simd"]
+    flags = [*COMPILE_FLAGS, _target(), "-fopenmp" if openmp else "-fopenmp-simd"]
     key = hashlib.sha256("\n".join([SOURCE.read_text(), torch.__version__, *flags, str(openmp), _cpu_flags()])
                          .encode()).hexdigest()[:16]  # fmt: skip
     cache = _cache_dir()
@@ -84,6 +90,15 @@ def _load() -> None:
         os.replace(work / built.name, built)  # loaded above; later processes load the cached file
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _target() -> str:
+    """The instructions to compile for: this CPU's (-march=native), or fewer where PyTorch's kernels
+    are capped (on x86)."""
+    capped = os.environ.get("ATEN_CPU_CAPABILITY", "").lower()
+    if platform.machine() in ("x86_64", "AMD64") and capped in CAPPED_TARGETS:
+        return CAPPED_TARGETS[capped]
+    return "-march=native"
 
 
 def _openmp_runtime() -> str | None:

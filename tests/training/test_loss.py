@@ -165,8 +165,9 @@ def test_both_cpu_paths_give_pytorchs_loss_and_gradients(cpu_path, autocast, smo
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
 def test_the_fused_kernel_computes_what_the_pytorch_path_does(autocast, fused_kernels, monkeypatch):
-    """Held to each other on one input: the losses to fp32's rounding, the gradients to one rounding
-    of their dtype (the kernel's exp is a polynomial, PyTorch's another)."""
+    """Held to each other on one input: the losses to fp32's rounding, the gradients as a whole to
+    the rounding of their dtype (the kernel's exp is a polynomial, PyTorch's another, and each CPU's
+    kernels sum in their own order: an element near zero or a bf16 rounding boundary may differ more)."""
     hidden, weight = _inputs(200, 32, 1000, dtype=torch.float32)
     target = torch.randint(0, 1000, (190,))
 
@@ -179,8 +180,9 @@ def test_the_fused_kernel_computes_what_the_pytorch_path_does(autocast, fused_ke
     monkeypatch.setenv(SWITCH, "0")
     reference = run()
     torch.testing.assert_close(fused[0], reference[0], rtol=1e-6, atol=0)
+    tolerance = 4e-3 if autocast else 1e-5
     for ours, theirs in zip(fused[1:], reference[1:]):
-        torch.testing.assert_close(ours, theirs, rtol=1e-2 if autocast else 1e-5, atol=1e-5 if autocast else 1e-7)
+        assert torch.linalg.vector_norm(ours - theirs) <= tolerance * torch.linalg.vector_norm(theirs)
 
 
 def test_the_fused_kernel_gives_the_same_bits_on_any_number_of_threads(fused_kernels):
