@@ -50,7 +50,7 @@ GLANCE = {
     "benchmark_serve": ("requests/s", "serving one sentence per request (requests/s)"),
     "recipe_study": ("mean", "recipe study, test BLEU (mean over seeds)"),
 }
-GLANCE_CELLS = 4  # figures per glance row
+GLANCE_CELLS = 5  # figures per glance row (the reference, fp32 and bf16, each with and without the fused kernels)
 SET_ASIDE = " (set aside)"  # how the history marks a variant (record's `aside`)
 OUTPUT_TAIL_LINES = 6  # what the page quotes of a result without tables
 KINDS = {"amx_bf16": "CPU with AMX", "avx512_bf16": "CPU with AVX-512-bf16", "avx2": "CPU with AVX2 only"}
