@@ -363,13 +363,18 @@ def test_both_engines_sample_from_one_distribution(exported_model, settings):
     first words spread over many choices)."""
     ours, exported, lines = exported_model
     decode = ours.settings(**{"sample": True, "nbest": 200, **settings})
-    first_words = {}
-    for name, translator in (("ours", ours), ("exported", exported)):
-        draws = [text for t in translator.translate_with([lines[3]] * 4, decode) for text, _ in t.nbest]
+
+    def first_words(translator: Translator, line: str) -> list[str]:
+        draws = [text for t in translator.translate_with([line] * 4, decode) for text, _ in t.nbest]
         assert len(draws) == 800
-        first_words[name] = [draw.split(" ")[0] for draw in draws]
-    common = {w for w in set(first_words["ours"]) if first_words["ours"].count(w) >= 40}
-    assert len(common) >= 2  # the line has several likely first words: the comparison means something
+        return [draw.split(" ")[0] for draw in draws]
+
+    def common(words: list[str]) -> set[str]:
+        return {word for word in set(words) if words.count(word) >= 40}
+
+    # a line with several likely first words, so that the comparison means something
+    line, mine = next((line, words) for line in lines for words in [first_words(ours, line)] if len(common(words)) >= 2)
+    first_words = {"ours": mine, "exported": first_words(exported, line)}
     for word in set(first_words["ours"]) | set(first_words["exported"]):
         p_ours, p_exported = (first_words[name].count(word) / 800 for name in ("ours", "exported"))
         p = (p_ours + p_exported) / 2
@@ -422,7 +427,12 @@ def test_both_engines_tell_the_pairs_they_have_scored_as_they_go(exported_model,
 @pytest.mark.parametrize("settings", [{}, {"beam": 1}, {"nbest": 3}], ids=["beam-5", "greedy", "nbest-3"])
 def test_both_engines_continue_a_prefix_alike(exported_model, trained_checkpoint, settings):
     """Each line's reference cut after its first words, and some lines without: both engines keep the
-    prefix and return the same n-best lists, scored alike (the chosen tokens over the whole length)."""
+    prefix and return the same best outputs, scored alike (the chosen tokens over the whole length).
+    Below the best of an n-best list the two beam searches after a prefix can keep different
+    hypotheses (seen at beam 5 on one line of a model trained with other dropout masks: each found one
+    the other missed, and CTranslate2 found ours at beam 8, at our score), so there only their order
+    is checked. (Our scores of the export's texts cannot stand in: a text encodes again to pieces
+    other than those the search chose.)"""
     ours, exported, lines = exported_model
     _, data = trained_checkpoint
     references = (data / "test.xx").read_text(encoding="utf-8").splitlines()
@@ -431,8 +441,10 @@ def test_both_engines_continue_a_prefix_alike(exported_model, trained_checkpoint
     mine = ours.translate_with(lines, decode, prefixes=prefixes)
     theirs = exported.translate_with(lines, decode, prefixes=prefixes)
     for line, a, b, prefix in zip(lines, mine, theirs, prefixes):
-        assert all(text.startswith(prefix) for text, _ in a.nbest)
-        assert_same_ranking(a.nbest, b.nbest, TieCheck(ours, line, decode, prefix))
+        assert all(text.startswith(prefix) for text, _ in a.nbest + b.nbest)
+        assert_same_ranking(a.nbest[:1], b.nbest[:1], TieCheck(ours, line, decode, prefix))
+        assert len(a.nbest) == len(b.nbest)
+        assert all(first[1] >= second[1] for first, second in zip(b.nbest, b.nbest[1:]))  # best first
 
 
 def test_constraints_and_ensembles_on_an_exported_model_are_one_line(exported_model, checkpoint, tmp_path):
