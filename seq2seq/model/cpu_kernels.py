@@ -60,7 +60,7 @@ def _built():
     except Exception as error:  # no compiler or ninja, or a build error: the PyTorch path computes the same
         lines = str(error).strip().splitlines() or [type(error).__name__]
         reason = next((line for line in lines if "error:" in line), lines[0])  # the compiler's, where it has one
-        log.warning("fused CPU kernels unavailable (%s): the loss takes PyTorch's slower path",
+        log.warning("fused CPU kernels unavailable (%s): training takes PyTorch's slower path",
                     reason if len(reason) <= REASON_CHARS else reason[:REASON_CHARS] + "...")  # fmt: skip
         return None
     return torch.ops.seq2seq_cpu

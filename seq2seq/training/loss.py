@@ -98,7 +98,7 @@ def _loss_and_gradients(
                 total += kernels.label_smoothed_loss_(z, chunk_target, smoothing).sum()
                 grad = z
             else:
-                grad = chunk_loss.add_to(total, z, chunk_target, smoothing)
+                grad = chunk_loss.add_to(total, z, chunk_target, smoothing, gradient=hidden_grad or weight_grad)
             if grad_rows is not None:
                 _add_product(grad_rows[start:stop], grad, layer, kernels)
             if grad_weight is not None:
@@ -116,8 +116,9 @@ class _ChunkLoss:
         self.exact = logits if logits.dtype == compute_dtype else torch.empty_like(logits, dtype=compute_dtype)
         self.scratch = torch.empty_like(self.exact)  # probabilities, then the gradient
 
-    def add_to(self, total: Tensor, z: Tensor, target: Tensor, smoothing: float) -> Tensor:
-        """Add the chunk's loss to total; return its gradient (count, V) in z's dtype, in z's buffer."""
+    def add_to(self, total: Tensor, z: Tensor, target: Tensor, smoothing: float, *, gradient: bool) -> Tensor | None:
+        """Add the chunk's loss to total; return its gradient (count, V) in z's dtype, in z's buffer,
+        where one is wanted."""
         count, real, vocab = z.size(0), target.size(0), z.size(1)
         z = _to_dtype(z, self.exact[:count])[:real]
         largest = z.amax(dim=-1, keepdim=True)
@@ -126,6 +127,8 @@ class _ChunkLoss:
         # per row -(1 - eps) log p(target) - (eps / V) sum of log p over the vocabulary, where log p = z - lse
         total += log_sum_exp.sum()
         total -= (1.0 - smoothing) * z.gather(1, target[:, None]).sum() + (smoothing / vocab) * z.sum()
+        if not gradient:
+            return None
         grad = probs.sub_(smoothing / vocab)  # d loss / d logits, built in place
         grad.scatter_add_(1, target[:, None], grad.new_full((real, 1), smoothing - 1.0))
         self.scratch[real:count] = 0.0
