@@ -12,6 +12,8 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "cpu_kernels.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -21,40 +23,7 @@
 
 namespace {
 
-inline float from_bits(uint32_t bits) {
-  float value;
-  std::memcpy(&value, &bits, sizeof value);
-  return value;
-}
-
-inline uint32_t to_bits(float value) {
-  uint32_t bits;
-  std::memcpy(&bits, &value, sizeof bits);
-  return bits;
-}
-
-inline float load(float value) { return value; }
-inline float load(c10::BFloat16 value) { return from_bits(static_cast<uint32_t>(value.x) << 16); }
-
-inline void store(float* out, float value) { *out = value; }
-// Rounds to the nearest bf16, ties to even, as PyTorch's casts do (a NaN stays non-finite).
-inline void store(c10::BFloat16* out, float value) {
-  const uint32_t bits = to_bits(value);
-  out->x = static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-}
-
-// e^x for x <= 0, written so that it vectorises: x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor
-// polynomial of degree 6 (relative error under 2e-7, about fp32's rounding), 2^n put in the exponent
-// bits. Below -87 the result is e^-87 (~1.6e-38), which changes no sum of probabilities.
-inline float exp_nonpositive(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  const float round_shift = 12582912.0f;  // 1.5 * 2^23: adding it rounds a float to an integer
-  const float n = (x * 1.44269504f + round_shift) - round_shift;
-  const float r = x - n * 0.693145752f - n * 1.42860677e-06f;  // ln2 in two parts, for exactness
-  const float p =
-      1.0f + r * (1.0f + r * (0.5f + r * (0.166666672f + r * (0.0416666679f + r * (0.00833333377f + r * 0.00138888892f)))));
-  return p * from_bits(static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23);
-}
+using namespace seq2seq_cpu;
 
 // Rows [begin, end) of one chunk of logits: each row's label-smoothed loss into losses, and its
 // gradient (softmax - smoothing / V - (1 - smoothing) at the target) over the logits, in place.
