@@ -1,4 +1,4 @@
-"""Fused CPU kernels (cpu_kernels.cpp), built for this machine the first time they are needed.
+"""Fused CPU kernels (cpu_kernels.cpp, cpu_attention.cpp), built for this machine the first time they are needed.
 
 Where a CPU's matrix products are fast (bf16 on AMX), a training step is bound by the memory traffic
 of the work between them. PyTorch runs that work as one pass over a whole tensor per operation, each
@@ -33,7 +33,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "cpu_attention.cpp"))
+HEADER = Path(__file__).with_name("cpu_kernels.h")
 SWITCH = "SEQ2SEQ_CPU_KERNELS"  # "0": never build or use them (compare speed, rule them out)
 # -ffp-contract=off: no multiply and add fused into one rounding, so that a sum rounds as PyTorch's
 # separate operations do (dropout_add equals x + dropout(y) bitwise in fp32) on every CPU.
@@ -71,7 +72,8 @@ def _load() -> None:
     cache: builds that race, from two processes, each finish and the last rename wins)."""
     openmp = _openmp_runtime()
     flags = [*COMPILE_FLAGS, _target(), "-fopenmp" if openmp else "-fopenmp-simd"]
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), torch.__version__, *flags, str(openmp), _cpu_flags()])
+    texts = [path.read_text() for path in (*SOURCES, HEADER)]
+    key = hashlib.sha256("\n".join([*texts, torch.__version__, *flags, str(openmp), _cpu_flags()])
                          .encode()).hexdigest()[:16]  # fmt: skip
     cache = _cache_dir()
     built = cache / f"seq2seq_cpu_{key}.so"
@@ -85,8 +87,9 @@ def _load() -> None:
         from torch.utils import cpp_extension
 
         with _ninja_on_path():
-            cpp_extension.load(f"seq2seq_cpu_{key}", [str(SOURCE)], extra_cflags=flags, is_python_module=False,
-                               extra_ldflags=[openmp] if openmp else [], build_directory=str(work))  # fmt: skip
+            cpp_extension.load(f"seq2seq_cpu_{key}", [str(path) for path in SOURCES], extra_cflags=flags,
+                               is_python_module=False, extra_ldflags=[openmp] if openmp else [],
+                               build_directory=str(work))  # fmt: skip
         os.replace(work / built.name, built)  # loaded above; later processes load the cached file
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -59,6 +59,9 @@ class Rows:
     # a position not kept), and the positions not kept, the zeros of `unflatten`.
     sources: Tensor | None = None
     gaps: Tensor | None = None
+    # (batch, 2) int64 on a CPU where each sentence's kept positions come first (right padding): the
+    # first flat row and the number of rows of each sentence, which cpu_attention reads them by.
+    spans: Tensor | None = None
 
     @classmethod
     def of(cls, keep: Tensor, multiple: int) -> Rows:
@@ -66,12 +69,15 @@ class Rows:
         those on a CPU (when some are not), every one elsewhere."""
         if keep.device.type != "cpu":
             return cls(keep.size(0), keep.size(1), multiple)
+        lengths = keep.sum(1)
+        right_padded = bool(torch.equal(keep, torch.arange(keep.size(1)) < lengths[:, None]))
+        spans = torch.stack([lengths.cumsum(0) - lengths, lengths], 1) if right_padded else None
         kept = keep.reshape(-1)
         tokens = kept.nonzero().squeeze(1)
         if tokens.numel() == kept.numel():
-            return cls(keep.size(0), keep.size(1), multiple)
+            return cls(keep.size(0), keep.size(1), multiple, spans=spans)
         sources = (kept.cumsum(0) - 1).clamp_(min=0)
-        return cls(keep.size(0), keep.size(1), multiple, tokens, sources, (~kept).nonzero().squeeze(1))
+        return cls(keep.size(0), keep.size(1), multiple, tokens, sources, (~kept).nonzero().squeeze(1), spans)
 
     @property
     def used(self) -> int:
@@ -94,7 +100,7 @@ class Rows:
         not per beam. The flat rows, and the flat index of each, stay; only their reading changes."""
         if self.batch == sentences:
             return self
-        return replace(self, batch=sentences, length=self.batch * self.length // sentences)
+        return replace(self, batch=sentences, length=self.batch * self.length // sentences, spans=None)
 
     def unflatten(self, x: Tensor) -> Tensor:
         """(padded, features) -> (batch, length, features), zeros where a position was not kept."""

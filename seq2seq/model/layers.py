@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from seq2seq.config import ModelConfig
+from seq2seq.model.cpu_attention import FlatKeysValues, column_blocks, flat_attention, flat_attention_applies
 from seq2seq.model.dropout import Dropout, dropout_add
 from seq2seq.model.execution import LayerCache, Memory, Rows, attention, attention_dtype, probabilities, split_heads
 
@@ -34,6 +35,22 @@ class MultiHeadAttention(nn.Module):
         self.v_proj = nn.Linear(d_model, d_model)
         self.out_proj = nn.Linear(d_model, d_model)
 
+    def self_attend(self, x: Tensor, rows: Rows, *, mask: Tensor | None, is_causal: bool = False) -> Tensor:
+        """Self-attention of the flat rows x (rows.padded, d) -> (rows.padded, d); mask as in `attend`."""
+        if flat_attention_applies(x, rows.spans, self._dropout_p()):
+            fused = stacked_projection(x, (self.q_proj, self.k_proj, self.v_proj))
+            return self.out_proj(flat_attention(fused, None, rows.spans, rows.spans, self.heads, causal=is_causal))
+        return self.attend(rows, *self.project_qkv(x, rows), mask=mask, is_causal=is_causal)
+
+    def cross_attend(self, query: Tensor, rows: Rows, memory_kv: FlatKeysValues) -> Tensor:
+        """Attention of the flat rows query (rows.padded, d) to the memory's flat keys and values."""
+        queries = self.q_proj(query)
+        return self.out_proj(flat_attention(queries, memory_kv.block, rows.spans, memory_kv.spans, self.heads,
+                                            causal=False))  # fmt: skip
+
+    def _dropout_p(self) -> float:
+        return self.dropout if self.training else 0.0
+
     def project_qkv(self, x: Tensor, rows: Rows) -> tuple[Tensor, Tensor, Tensor]:
         """Self-attention's queries, keys and values (B, h, T, hd) of the flat rows x (rows.padded, d)."""
         return project_together(x, rows, (self.q_proj, self.k_proj, self.v_proj), self.heads)
@@ -49,7 +66,7 @@ class MultiHeadAttention(nn.Module):
 
         mask broadcasts to (B, h, Tq, Tk), True = may attend.
         """
-        out = attention(q, k, v, mask=mask, is_causal=is_causal, dropout_p=self.dropout if self.training else 0.0,
+        out = attention(q, k, v, mask=mask, is_causal=is_causal, dropout_p=self._dropout_p(),
                         out_dtype=self.out_proj.weight.dtype)  # fmt: skip
         return self.out_proj(rows.flatten(out.transpose(1, 2)))
 
@@ -63,22 +80,31 @@ def project_together(x: Tensor, rows: Rows, projections: Sequence[nn.Linear], he
     product with their weights stacked, one move of its rows into (B, T) positions and one cast into
     attention's dtype, where one each per projection would take as many. The weights stay separate
     Linear layers: the checkpoint layout."""
-    if len(projections) == 1:
-        fused = projections[0](x)
-    else:
-        weight = torch.cat([projection.weight for projection in projections])
-        fused = F.linear(x, weight, torch.cat([projection.bias for projection in projections]))
-    positions = rows.unflatten(fused)
+    positions = rows.unflatten(stacked_projection(x, projections))
     return split_heads(positions, len(projections), heads, attention_dtype(positions))
 
 
-def memory_keys_values(attentions: Sequence[MultiHeadAttention], memory: Memory) -> list[tuple[Tensor, Tensor]]:
+def stacked_projection(x: Tensor, projections: Sequence[nn.Linear]) -> Tensor:
+    """The projections of x side by side, (rows, len(projections) x d), in one matrix product."""
+    if len(projections) == 1:
+        return projections[0](x)
+    weight = torch.cat([projection.weight for projection in projections])
+    return F.linear(x, weight, torch.cat([projection.bias for projection in projections]))
+
+
+def memory_keys_values(
+    attentions: Sequence[MultiHeadAttention], memory: Memory, *, flat: bool = False
+) -> list[tuple[Tensor, Tensor]] | list[FlatKeysValues]:
     """The keys and values (B, h, S, hd) of the encoder output for each of the decoder's cross-attentions,
     all in one matrix product: every layer reads the same memory, so their projections stack like a
-    layer's own q, k and v (LightSeq and CTranslate2 do the same)."""
+    layer's own q, k and v (LightSeq and CTranslate2 do the same). flat: each layer's k | v columns of
+    the memory's flat rows instead, for cpu_attention.flat_attention."""
     projections = [projection for attention in attentions for projection in (attention.k_proj, attention.v_proj)]
     if not projections:  # LayerDrop skipped every decoder layer
         return []
+    if flat:
+        blocks = column_blocks(stacked_projection(memory.flat, projections), len(attentions))
+        return [FlatKeysValues(block, memory.rows.spans) for block in blocks]
     parts = project_together(memory.flat, memory.rows, projections, attentions[0].heads)
     return list(zip(parts[0::2], parts[1::2]))
 
@@ -137,10 +163,7 @@ class EncoderLayer(nn.Module):
     def forward(self, x: Tensor, rows: Rows, src_mask: Tensor) -> Tensor:
         """x (rows.padded, d), flat (B, S) positions; src_mask (B, 1, 1, S), True on real tokens."""
 
-        def self_attention(h: Tensor) -> Tensor:
-            return self.self_attn.attend(rows, *self.self_attn.project_qkv(h, rows), mask=src_mask)
-
-        x = self.self_attn_block(x, self_attention)
+        x = self.self_attn_block(x, lambda h: self.self_attn.self_attend(h, rows, mask=src_mask))
         return self.ffn_block(x, self.ffn)
 
 
@@ -155,11 +178,16 @@ class DecoderLayer(nn.Module):
         self.ffn_block = _residual(config)
 
     def forward(
-        self, x: Tensor, rows: Rows, memory_kv: tuple[Tensor, Tensor], src_mask: Tensor, cache: LayerCache | None
+        self,
+        x: Tensor,
+        rows: Rows,
+        memory_kv: tuple[Tensor, Tensor] | FlatKeysValues,
+        src_mask: Tensor,
+        cache: LayerCache | None,
     ) -> Tensor:
         """x (rows.padded, d), flat (N, T) new target positions, N = B * beams rows grouped by sentence;
         memory_kv: this layer's keys and values of the encoder output (memory_keys_values), which the
-        decoder computes for all its layers at once.
+        decoder computes for all its layers at once, flat where the decoder attends with flat_attention.
 
         With a cache, earlier positions come from it. The cache may be any object with LayerCache's
         self-attention fields and `extend`: graphed_decoder.StaticLayerCache keeps them in fixed buffers.
@@ -176,13 +204,17 @@ class DecoderLayer(nn.Module):
         return self.cross_attn.weights(query, rows, memory_k, src_mask)
 
     def _self_attention(self, h: Tensor, rows: Rows, cache: LayerCache | None) -> Tensor:
-        q, k, v = self.self_attn.project_qkv(h, rows)
         if cache is None:  # teacher forcing: the whole prefix at once, the future masked
-            return self.self_attn.attend(rows, q, k, v, mask=None, is_causal=True)
+            return self.self_attn.self_attend(h, rows, mask=None, is_causal=True)
+        q, k, v = self.self_attn.project_qkv(h, rows)
         k, v, mask = cache.extend(k, v)
         return self.self_attn.attend(rows, q, k, v, mask=mask)
 
-    def _cross_attention(self, h: Tensor, rows: Rows, memory_kv: tuple[Tensor, Tensor], src_mask: Tensor) -> Tensor:
+    def _cross_attention(
+        self, h: Tensor, rows: Rows, memory_kv: tuple[Tensor, Tensor] | FlatKeysValues, src_mask: Tensor
+    ) -> Tensor:
+        if isinstance(memory_kv, FlatKeysValues):
+            return self.cross_attn.cross_attend(h, rows, memory_kv)
         k, v = memory_kv
         # beams of one sentence share its encoder output: they attend to it as one sentence
         sentence_rows = rows.per_sentence(k.size(0))

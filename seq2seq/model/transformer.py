@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from seq2seq.config import ModelConfig
 from seq2seq.data.special_tokens import PAD_ID, padding_mask
+from seq2seq.model.cpu_attention import FlatKeysValues, flat_attention_applies
 from seq2seq.model.dropout import Dropout
 from seq2seq.model.execution import DecoderCache, Memory, Rows, row_multiple
 from seq2seq.model.layers import DecoderLayer, EncoderLayer, Residual, memory_keys_values
@@ -93,18 +94,22 @@ class Seq2SeqTransformer(nn.Module):
         x, rows, memory = self._decoder_input(tgt, memory, src_mask, cache)
         running = [index for index in range(len(self.decoder_layers))
                    if not self._skipped(self.config.decoder_layerdrop)]  # fmt: skip
-        for index, memory_kv in zip(running, self._memory_keys_values(running, memory, cache)):
+        for index, memory_kv in zip(running, self._memory_keys_values(running, rows, memory, cache)):
             layer_cache = None if cache is None else cache.layers[index]
             x = self.decoder_layers[index](x, rows, memory_kv, src_mask, layer_cache)
         return rows.unflatten(self.decoder_norm(x))
 
     def _memory_keys_values(
-        self, running: list[int], memory: Memory, cache: DecoderCache | None
-    ) -> list[tuple[Tensor, Tensor]]:
+        self, running: list[int], rows: Rows, memory: Memory, cache: DecoderCache | None
+    ) -> list[tuple[Tensor, Tensor]] | list[FlatKeysValues]:
         """The cross-attention keys and values of the decoder layers `running`: from the cache where it
-        holds them, else all in one matrix product (layers.memory_keys_values); a new cache keeps them."""
+        holds them, else all in one matrix product (layers.memory_keys_values); a new cache keeps them.
+        Without a cache, flat for cpu_attention where it runs."""
         if cache is None:
-            return memory_keys_values([self.decoder_layers[index].cross_attn for index in running], memory)
+            p = self.config.attention_dropout if self.training else 0.0
+            keys = memory.rows.spans  # one sentence of memory per target row (beams share theirs elsewhere)
+            flat = flat_attention_applies(memory.flat, rows.spans, p) and keys is not None and len(keys) == rows.batch
+            return memory_keys_values([self.decoder_layers[index].cross_attn for index in running], memory, flat=flat)
         if cache.layers[0].cross_k is None:  # computed once per sentence, reused at every step
             every = memory_keys_values([layer.cross_attn for layer in self.decoder_layers], memory)
             for layer_cache, (k, v) in zip(cache.layers, every):

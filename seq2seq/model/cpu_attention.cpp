@@ -1,0 +1,364 @@
+// Attention over the flat rows of a batch of sentences, forward and backward (cpu_attention.py says
+// why it exists and when it runs).
+//
+// Sentence b's queries are rows [start, start + length) of q, its keys and values those of its own
+// span in k and v; q, k, v, the output and the gradients are (rows, heads x head_dim) matrices whose
+// rows may be strided (column blocks of one projection). Each (sentence, head) pair is one task: its
+// queries, keys, values, scores and probabilities (a few KB for a sentence of 40 tokens) stay in the
+// core's cache through every step of its work, computed in fp32 whatever the dtype it reads and writes.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include "cpu_kernels.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+using namespace seq2seq_cpu;
+
+constexpr int64_t kLanes = 16;  // floats in one Vec
+// 16 floats that the compiler maps onto the machine's registers (one AVX-512 register, two AVX2 ones);
+// aligned(4): loads and stores at any float's address.
+typedef float Vec __attribute__((vector_size(kLanes * sizeof(float)), aligned(4)));
+
+inline int64_t round_up(int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
+
+// C[i, j0:j0 + V * kLanes] = sum over k of A[i, k] B[k, j0:...] for R rows i from row 0: R x V vectors of
+// sums held in registers while B's rows stream past. fp-contract=fast here alone: each product and sum
+// becomes one fused multiply-add (the other kernels keep PyTorch's separate roundings).
+template <int R, int V>
+__attribute__((optimize("fp-contract=fast"))) inline void block_product(int64_t depth, const float* a, int64_t lda,
+                                                                       const float* b, int64_t ldb, float* c,
+                                                                       int64_t ldc) {
+  Vec sums[R][V] = {};
+  for (int64_t k = 0; k < depth; ++k) {
+    Vec columns[V];
+    for (int v = 0; v < V; ++v) columns[v] = *reinterpret_cast<const Vec*>(b + k * ldb + v * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const float scalar = a[r * lda + k];
+      for (int v = 0; v < V; ++v) sums[r][v] += scalar * columns[v];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) *reinterpret_cast<Vec*>(c + r * ldc + v * kLanes) = sums[r][v];
+}
+
+template <int R>
+void row_block(int64_t cols, int64_t depth, const float* a, int64_t lda, const float* b, int64_t ldb, float* c,
+               int64_t ldc) {
+  int64_t j = 0;
+  for (; j + 2 * kLanes <= cols; j += 2 * kLanes) block_product<R, 2>(depth, a, lda, b + j, ldb, c + j, ldc);
+  if (j < cols) block_product<R, 1>(depth, a, lda, b + j, ldb, c + j, ldc);
+}
+
+// C (rows x cols) = A (rows x depth) B (depth x cols), row-major with row strides lda, ldb, ldc; cols
+// is a multiple of kLanes (the buffers pad their columns with zeros).
+void product(int64_t rows, int64_t cols, int64_t depth, const float* a, int64_t lda, const float* b, int64_t ldb,
+             float* c, int64_t ldc) {
+  int64_t i = 0;
+  for (; i + 4 <= rows; i += 4) row_block<4>(cols, depth, a + i * lda, lda, b, ldb, c + i * ldc, ldc);
+  switch (rows - i) {
+    case 3: row_block<3>(cols, depth, a + i * lda, lda, b, ldb, c + i * ldc, ldc); break;
+    case 2: row_block<2>(cols, depth, a + i * lda, lda, b, ldb, c + i * ldc, ldc); break;
+    case 1: row_block<1>(cols, depth, a + i * lda, lda, b, ldb, c + i * ldc, ldc); break;
+    default: break;
+  }
+}
+
+// rows x width of `source` (row stride `stride`) into `out` (row stride out_stride) as floats: as they
+// are, or transposed (out[d][r] = source[r][d]); out's padding columns are left as they were.
+template <typename T>
+void read_rows(const T* source, int64_t stride, int64_t rows, int64_t width, float* out, int64_t out_stride,
+               bool transposed) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t d = 0; d < width; ++d) {
+      const float value = load(source[r * stride + d]);
+      if (transposed) out[d * out_stride + r] = value;
+      else out[r * out_stride + d] = value;
+    }
+}
+
+template <typename T>
+void write_rows(const float* values, int64_t values_stride, int64_t rows, int64_t width, T* out, int64_t stride) {
+  for (int64_t r = 0; r < rows; ++r)
+#pragma omp simd
+    for (int64_t d = 0; d < width; ++d) store(out + r * stride + d, values[r * values_stride + d]);
+}
+
+void transpose(const float* source, int64_t rows, int64_t cols, int64_t stride, float* out, int64_t out_stride) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) out[c * out_stride + r] = source[r * stride + c];
+}
+
+// One sentence and head: its shapes and where its rows lie.
+struct Task {
+  int64_t queries, keys, head_dim, padded_dim, padded_keys;
+  int64_t query_row, key_row, column;
+  bool causal;
+  float scale;
+  // Keys that query i sees: all of them, or (causal) those at or before it.
+  int64_t visible(int64_t i) const { return causal ? std::min(i + 1, keys) : keys; }
+};
+
+// Scratch floats of one thread, grown to the largest task it meets. A task asks for all it needs
+// first (start), then takes it in pieces. It reads no float that it did not write: padding columns
+// (of head_dim, of keys) are computed from whatever they hold and never read back.
+class Scratch {
+ public:
+  void start(int64_t total) {
+    if (total > static_cast<int64_t>(floats_.size())) floats_.resize(total);
+    used_ = 0;
+  }
+  float* take(int64_t count) {
+    float* out = floats_.data() + used_;
+    used_ += count;
+    TORCH_INTERNAL_ASSERT(used_ <= static_cast<int64_t>(floats_.size()));
+    return out;
+  }
+
+ private:
+  std::vector<float> floats_;
+  int64_t used_ = 0;
+};
+
+// probabilities = softmax(scale * q k^T) over the visible keys, zero elsewhere, from scores q k^T in
+// place; each row's log of its sum of exponentials (in scaled units, after the max) into lse.
+void softmax_rows(const Task& t, float* scores, float* lse) {
+  for (int64_t i = 0; i < t.queries; ++i) {
+    float* row = scores + i * t.padded_keys;
+    const int64_t visible = t.visible(i);
+    float largest = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : largest)
+    for (int64_t j = 0; j < visible; ++j) largest = std::max(largest, row[j] * t.scale);
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < visible; ++j) {
+      row[j] = exp_nonpositive(row[j] * t.scale - largest);
+      sum += row[j];
+    }
+    const float inverse = visible ? 1.0f / sum : 0.0f;
+#pragma omp simd
+    for (int64_t j = 0; j < visible; ++j) row[j] *= inverse;
+    for (int64_t j = visible; j < t.padded_keys; ++j) row[j] = 0.0f;
+    lse[i] = visible ? largest + std::log(sum) : std::numeric_limits<float>::infinity();
+  }
+}
+
+// The probabilities again, from the scores q k^T in place and the forward pass's lse.
+void probabilities_from_lse(const Task& t, float* scores, const float* lse) {
+  for (int64_t i = 0; i < t.queries; ++i) {
+    float* row = scores + i * t.padded_keys;
+    const int64_t visible = t.visible(i);
+#pragma omp simd
+    for (int64_t j = 0; j < visible; ++j) row[j] = exp_nonpositive(row[j] * t.scale - lse[i]);
+    for (int64_t j = visible; j < t.padded_keys; ++j) row[j] = 0.0f;
+  }
+}
+
+template <typename T>
+void forward_task(const Task& t, const T* q, int64_t q_stride, const T* k, int64_t k_stride, const T* v,
+                  int64_t v_stride, T* out, int64_t out_stride, float* lse, Scratch& scratch) {
+  const int64_t dim = t.padded_dim, keys = t.padded_keys, queries = t.queries;
+  scratch.start(2 * queries * dim + 2 * dim * keys + queries * keys);
+  float* query = scratch.take(queries * dim);
+  float* keys_t = scratch.take(dim * keys);  // (head_dim, keys): scores = query keys_t
+  float* value = scratch.take(keys * dim);
+  float* scores = scratch.take(queries * keys);
+  float* output = scratch.take(queries * dim);
+  read_rows(q + t.query_row * q_stride + t.column, q_stride, queries, t.head_dim, query, dim, false);
+  read_rows(k + t.key_row * k_stride + t.column, k_stride, t.keys, t.head_dim, keys_t, keys, true);
+  read_rows(v + t.key_row * v_stride + t.column, v_stride, t.keys, t.head_dim, value, dim, false);
+  product(queries, keys, t.head_dim, query, dim, keys_t, keys, scores, keys);
+  softmax_rows(t, scores, lse);
+  product(queries, dim, t.keys, scores, keys, value, dim, output, dim);
+  write_rows(output, dim, queries, t.head_dim, out + t.query_row * out_stride + t.column, out_stride);
+}
+
+// The gradients of one task, with D_i = sum_j P_ij dP_ij (= dO_i . O_i, without keeping O):
+// dP = dO v^T, dS = P (dP - D), dq = scale dS k, dk = scale dS^T q, dv = P^T dO.
+template <typename T>
+void backward_task(const Task& t, const T* grad_out, int64_t g_stride, const T* q, int64_t q_stride, const T* k,
+                   int64_t k_stride, const T* v, int64_t v_stride, const float* lse, T* grad_q, int64_t gq_stride,
+                   T* grad_k, int64_t gk_stride, T* grad_v, int64_t gv_stride, Scratch& scratch) {
+  const int64_t dim = t.padded_dim, keys = t.padded_keys, queries = t.queries;
+  scratch.start(3 * queries * dim + 4 * dim * keys + 3 * queries * keys);
+  float* query = scratch.take(queries * dim);
+  float* grad_output = scratch.take(queries * dim);
+  float* keys_t = scratch.take(dim * keys);
+  float* values_t = scratch.take(dim * keys);
+  float* key = scratch.take(keys * dim);
+  float* probs = scratch.take(queries * keys);
+  float* grad_scores = scratch.take(queries * keys);
+  float* transposed = scratch.take(keys * queries);  // P^T, then dS^T
+  float* result = scratch.take(keys * dim);           // dv, then dk
+  float* result_q = scratch.take(queries * dim);
+  read_rows(q + t.query_row * q_stride + t.column, q_stride, queries, t.head_dim, query, dim, false);
+  read_rows(grad_out + t.query_row * g_stride + t.column, g_stride, queries, t.head_dim, grad_output, dim, false);
+  read_rows(k + t.key_row * k_stride + t.column, k_stride, t.keys, t.head_dim, keys_t, keys, true);
+  read_rows(k + t.key_row * k_stride + t.column, k_stride, t.keys, t.head_dim, key, dim, false);
+  read_rows(v + t.key_row * v_stride + t.column, v_stride, t.keys, t.head_dim, values_t, keys, true);
+
+  product(queries, keys, t.head_dim, query, dim, keys_t, keys, probs, keys);
+  probabilities_from_lse(t, probs, lse);
+  product(queries, keys, t.head_dim, grad_output, dim, values_t, keys, grad_scores, keys);
+  for (int64_t i = 0; i < queries; ++i) {
+    const float* p = probs + i * keys;
+    float* g = grad_scores + i * keys;
+    const int64_t visible = t.visible(i);
+    float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t j = 0; j < visible; ++j) total += p[j] * g[j];
+#pragma omp simd
+    for (int64_t j = 0; j < visible; ++j) g[j] = t.scale * p[j] * (g[j] - total);
+    for (int64_t j = visible; j < t.keys; ++j) g[j] = 0.0f;
+  }
+  transpose(probs, queries, t.keys, keys, transposed, queries);
+  product(t.keys, dim, queries, transposed, queries, grad_output, dim, result, dim);
+  write_rows(result, dim, t.keys, t.head_dim, grad_v + t.key_row * gv_stride + t.column, gv_stride);
+  transpose(grad_scores, queries, t.keys, keys, transposed, queries);
+  product(t.keys, dim, queries, transposed, queries, query, dim, result, dim);
+  write_rows(result, dim, t.keys, t.head_dim, grad_k + t.key_row * gk_stride + t.column, gk_stride);
+  product(queries, dim, t.keys, grad_scores, keys, key, dim, result_q, dim);
+  write_rows(result_q, dim, queries, t.head_dim, grad_q + t.query_row * gq_stride + t.column, gq_stride);
+}
+
+// spans (sentences, 2): [first row, rows] of each sentence, in order and without gaps from row 0.
+int64_t check_spans(const at::Tensor& spans, const char* name) {
+  TORCH_CHECK(spans.device().is_cpu() && spans.dim() == 2 && spans.size(1) == 2 &&
+                  spans.scalar_type() == at::kLong && spans.is_contiguous(),
+              name, ": a contiguous (sentences, 2) int64 CPU tensor");
+  const int64_t* s = spans.data_ptr<int64_t>();
+  int64_t next = 0;
+  for (int64_t b = 0; b < spans.size(0); ++b) {
+    TORCH_CHECK(s[2 * b] == next && s[2 * b + 1] >= 0, name, ": sentences must follow each other from row 0");
+    next += s[2 * b + 1];
+  }
+  return next;
+}
+
+void check_matrix(const at::Tensor& x, const at::Tensor& like, int64_t rows, const char* name) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == like.scalar_type() &&
+                  x.size(1) == like.size(1) && x.size(0) >= rows,
+              name, ": a CPU matrix with unit column stride, of q's dtype and width, holding every span's rows");
+}
+
+struct Layout {
+  int64_t sentences, heads, head_dim, used_queries;
+  at::Tensor query_spans, key_spans;
+  bool causal;
+};
+
+Layout check_layout(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& query_spans,
+                    const at::Tensor& key_spans, int64_t heads, bool causal) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "q: fp32 or bf16");
+  TORCH_CHECK(heads > 0 && q.size(1) % heads == 0, "heads must divide q's width");
+  TORCH_CHECK(query_spans.size(0) == key_spans.size(0), "one key span per query span");
+  const int64_t used_queries = check_spans(query_spans, "query_spans");
+  const int64_t used_keys = check_spans(key_spans, "key_spans");
+  check_matrix(q, q, used_queries, "q");
+  check_matrix(k, q, used_keys, "k");
+  check_matrix(v, q, used_keys, "v");
+  if (causal) TORCH_CHECK(query_spans.equal(key_spans), "causal attention: queries and keys of the same rows");
+  return {query_spans.size(0), heads, q.size(1) / heads, used_queries, query_spans, key_spans, causal};
+}
+
+// work(T{}) with T the element type of x: float or c10::BFloat16.
+template <typename Work>
+void for_each_dtype(const at::Tensor& x, Work work) {
+  if (x.scalar_type() == at::kBFloat16) work(c10::BFloat16{});
+  else work(0.0f);
+}
+
+template <typename Work>
+void for_each_task(const Layout& layout, Work work) {
+  const int64_t* qs = layout.query_spans.data_ptr<int64_t>();
+  const int64_t* ks = layout.key_spans.data_ptr<int64_t>();
+  const float scale = 1.0f / std::sqrt(static_cast<float>(layout.head_dim));
+  // Each task writes only its own rows and columns, from its own inputs: any thread count gives
+  // the same result.
+  at::parallel_for(0, layout.sentences * layout.heads, 1, [&](int64_t begin, int64_t end) {
+    Scratch scratch;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / layout.heads, h = task % layout.heads;
+      const int64_t keys = ks[2 * b + 1];
+      const Task t{qs[2 * b + 1], keys, layout.head_dim, round_up(layout.head_dim), round_up(keys),
+                   qs[2 * b], ks[2 * b], h * layout.head_dim, layout.causal, scale};
+      work(t, h, scratch);
+    }
+  });
+}
+
+// out (q's rows, width): attention of each sentence's queries to its keys, zero in rows after the
+// last span; lse (heads, q's rows): what the backward pass recomputes the probabilities from.
+std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                            const at::Tensor& query_spans, const at::Tensor& key_spans,
+                                            int64_t heads, bool causal) {
+  const Layout layout = check_layout(q, k, v, query_spans, key_spans, heads, causal);
+  at::Tensor out = at::empty({q.size(0), q.size(1)}, q.options());
+  at::Tensor lse = at::empty({heads, q.size(0)}, q.options().dtype(at::kFloat));
+  out.narrow(0, layout.used_queries, q.size(0) - layout.used_queries).zero_();
+  float* lse_data = lse.data_ptr<float>();
+  for_each_dtype(q, [&](auto zero) {
+    using scalar_t = decltype(zero);
+    for_each_task(layout, [&](const Task& t, int64_t h, Scratch& scratch) {
+      forward_task(t, q.data_ptr<scalar_t>(), q.stride(0), k.data_ptr<scalar_t>(), k.stride(0),
+                   v.data_ptr<scalar_t>(), v.stride(0), out.data_ptr<scalar_t>(), out.stride(0),
+                   lse_data + h * q.size(0) + t.query_row, scratch);
+    });
+  });
+  return {out, lse};
+}
+
+// The gradients of q, k and v written into grad_q, grad_k, grad_v (which may be column blocks of one
+// tensor): every span's rows, and zeros in the rows after the last span.
+void attention_backward(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                        const at::Tensor& lse, const at::Tensor& query_spans, const at::Tensor& key_spans,
+                        int64_t heads, bool causal, at::Tensor grad_q, at::Tensor grad_k, at::Tensor grad_v) {
+  const Layout layout = check_layout(q, k, v, query_spans, key_spans, heads, causal);
+  const int64_t used_keys = check_spans(key_spans, "key_spans");
+  check_matrix(grad_out, q, layout.used_queries, "grad_out");
+  check_matrix(grad_q, q, layout.used_queries, "grad_q");
+  check_matrix(grad_k, q, used_keys, "grad_k");
+  check_matrix(grad_v, q, used_keys, "grad_v");
+  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.size(0) == heads &&
+                  lse.size(1) == q.size(0),
+              "lse: the forward pass's (heads, rows) fp32");
+  grad_q.narrow(0, layout.used_queries, grad_q.size(0) - layout.used_queries).zero_();
+  grad_k.narrow(0, used_keys, grad_k.size(0) - used_keys).zero_();
+  grad_v.narrow(0, used_keys, grad_v.size(0) - used_keys).zero_();
+  const float* lse_data = lse.data_ptr<float>();
+  for_each_dtype(q, [&](auto zero) {
+    using scalar_t = decltype(zero);
+    for_each_task(layout, [&](const Task& t, int64_t h, Scratch& scratch) {
+      backward_task(t, grad_out.data_ptr<scalar_t>(), grad_out.stride(0), q.data_ptr<scalar_t>(), q.stride(0),
+                    k.data_ptr<scalar_t>(), k.stride(0), v.data_ptr<scalar_t>(), v.stride(0),
+                    lse_data + h * q.size(0) + t.query_row, grad_q.data_ptr<scalar_t>(), grad_q.stride(0),
+                    grad_k.data_ptr<scalar_t>(), grad_k.stride(0), grad_v.data_ptr<scalar_t>(), grad_v.stride(0),
+                    scratch);
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(seq2seq_cpu, m) {
+  m.def("attention(Tensor q, Tensor k, Tensor v, Tensor query_spans, Tensor key_spans, int heads, bool causal)"
+        " -> (Tensor, Tensor)");
+  m.def("attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor lse, Tensor query_spans,"
+        " Tensor key_spans, int heads, bool causal, Tensor(a!) grad_q, Tensor(b!) grad_k, Tensor(c!) grad_v) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(seq2seq_cpu, CPU, m) {
+  m.impl("attention", &attention);
+  m.impl("attention_backward", &attention_backward);
+}

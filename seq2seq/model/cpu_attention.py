@@ -1,0 +1,115 @@
+"""Attention on a CPU straight from a stack's flat rows (cpu_attention.cpp), forward and backward.
+
+Why: PyTorch's fused CPU attention wants (batch, heads, length, head_dim) tensors, so each attention
+of a stack moved its rows into (batch, length) positions and back (two gathers forward, two backward),
+and in bf16 cast q, k, v to fp32 and its output back, because PyTorch's fused kernel is several
+times slower in bf16 than in fp32 on a CPU (docs/performance.md). The rows of a sentence are
+consecutive in a stack's flat layout (its positions are kept in order, PADs only trail), so a kernel
+that is told where each sentence's rows begin and end reads its queries, keys and values where the
+projections wrote them, in the model's dtype, computes in fp32 in the core's cache, and writes its
+output where the output projection reads it; its gradients land in the projections' layout too.
+
+It runs where the kernels are built (model/cpu_kernels.py), on fp32 or bf16 rows whose sentences
+are right-padded (`Rows.spans`), without attention dropout and outside torch.compile; elsewhere
+execution.attention runs, which computes the same (tests hold the two to each other).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from seq2seq.model.cpu_kernels import cpu_kernels
+
+
+@dataclass(frozen=True)
+class FlatKeysValues:
+    """One decoder layer's keys and values of the encoder output for flat_attention: its (memory rows,
+    2d) k | v projection, and where each sentence's rows lie in it."""
+
+    block: Tensor
+    spans: Tensor
+
+
+def flat_attention_applies(x: Tensor, spans: Tensor | None, dropout_p: float) -> bool:
+    """Whether flat_attention runs for rows x of a stack whose sentences lie at `spans`."""
+    return (
+        spans is not None
+        and dropout_p == 0.0
+        and x.device.type == "cpu"
+        and not torch.compiler.is_compiling()
+        and cpu_kernels() is not None
+    )
+
+
+def flat_attention(
+    queries: Tensor,
+    keys_values: Tensor | None,
+    query_spans: Tensor,
+    key_spans: Tensor,
+    heads: int,
+    *,
+    causal: bool,
+) -> Tensor:
+    """Multi-head attention of each sentence's queries to its own keys -> (rows of queries, d).
+
+    Self-attention: queries is the (rows, 3d) side-by-side projection q | k | v and keys_values None.
+    Cross-attention: queries is (rows, d), keys_values the (memory rows, 2d) projection k | v.
+    Spans (sentences, 2) int64: the first row and the number of rows of each sentence."""
+    return _FlatAttention.apply(queries, keys_values, query_spans, key_spans, heads, causal)
+
+
+class _FlatAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, queries, keys_values, query_spans, key_spans, heads, causal):
+        q, k, v = _columns(queries, keys_values)
+        out, lse = cpu_kernels().attention(q, k, v, query_spans, key_spans, heads, causal)
+        ctx.save_for_backward(queries, keys_values, query_spans, key_spans, lse)
+        ctx.heads, ctx.causal = heads, causal
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        queries, keys_values, query_spans, key_spans, lse = ctx.saved_tensors
+        grad_queries = torch.empty_like(queries)
+        grad_keys_values = None if keys_values is None else torch.empty_like(keys_values)
+        cpu_kernels().attention_backward(
+            grad_out.contiguous(), *_columns(queries, keys_values), lse, query_spans, key_spans, ctx.heads,
+            ctx.causal, *_columns(grad_queries, grad_keys_values),
+        )  # fmt: skip
+        return grad_queries, grad_keys_values, None, None, None, None
+
+
+def _columns(queries: Tensor, keys_values: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v: column blocks (views) of the side-by-side projections."""
+    if keys_values is None:
+        return tuple(queries.chunk(3, dim=1))
+    return (queries, *keys_values.chunk(2, dim=1))
+
+
+def column_blocks(x: Tensor, blocks: int) -> Sequence[Tensor]:
+    """x (rows, blocks x w) -> `blocks` views (rows, w), whose gradients the backward pass writes
+    side by side into one tensor (autograd's own slices would each add a zeroed copy of x's shape)."""
+    return _ColumnBlocks.apply(x, blocks)
+
+
+class _ColumnBlocks(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, blocks: int) -> tuple[Tensor, ...]:
+        return x.chunk(blocks, dim=1)
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor | None) -> tuple[Tensor, None]:
+        known = next(grad for grad in grads if grad is not None)
+        width = known.size(1)
+        out = known.new_empty(known.size(0), width * len(grads))
+        for block, grad in enumerate(grads):
+            target = out[:, block * width : (block + 1) * width]
+            if grad is None:
+                target.zero_()
+            else:
+                target.copy_(grad)
+        return out, None

@@ -1,0 +1,143 @@
+"""Attention straight from a stack's flat rows (model/cpu_attention.py): equal to PyTorch's attention of
+each sentence, forward and backward, in fp32 and bf16, self (causal or not) and cross; zeros in the
+padding rows; the same for any thread count; and a model that takes it trains as one that does not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from seq2seq.config import ModelConfig
+from seq2seq.data.special_tokens import PAD_ID
+from seq2seq.model import layers
+from seq2seq.model.cpu_attention import flat_attention
+from seq2seq.model.cpu_kernels import SWITCH
+from seq2seq.model.execution import Rows
+from seq2seq.model.transformer import Seq2SeqTransformer
+
+HEADS = 3
+PADDING_ROWS = 5  # rows after the last sentence, as a stack padded to a multiple of rows has
+
+
+def _spans(lengths: list[int]) -> torch.Tensor:
+    lengths = torch.tensor(lengths)
+    return torch.stack([lengths.cumsum(0) - lengths, lengths], 1)
+
+
+def _heads(x, start, count):
+    """Rows [start, start + count) of x (rows, d) as (heads, count, head_dim)."""
+    return x[start : start + count].unflatten(1, (HEADS, -1)).transpose(0, 1)
+
+
+def _per_sentence(q, k, v, query_spans, key_spans, causal):
+    """PyTorch's attention of each sentence on its own, in (rows, d) like flat_attention's output."""
+    out = torch.zeros_like(q)
+    for (q_start, queries), (k_start, keys) in zip(query_spans.tolist(), key_spans.tolist()):
+        attended = F.scaled_dot_product_attention(
+            _heads(q, q_start, queries), _heads(k, k_start, keys), _heads(v, k_start, keys), is_causal=causal
+        )
+        out[q_start : q_start + queries] = attended.transpose(0, 1).flatten(1)
+    return out
+
+
+def _inputs(dtype, causal, head_dim, query_lengths, key_lengths):
+    torch.manual_seed(0)
+    width = HEADS * head_dim
+    queries = torch.randn(sum(query_lengths) + PADDING_ROWS, (3 if causal else 1) * width).to(dtype)
+    keys_values = None if causal else torch.randn(sum(key_lengths) + PADDING_ROWS, 2 * width).to(dtype)
+    return queries, keys_values
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [16, 20])  # 20: not a multiple of the kernel's 16 lanes
+def test_equals_pytorch_attention_of_each_sentence_forward_and_backward(
+    fused_kernels, dtype, tolerance, causal, head_dim
+):
+    query_lengths = [5, 1, 37, 18]
+    key_lengths = query_lengths if causal else [7, 3, 2, 41]
+    queries, keys_values = _inputs(dtype, causal, head_dim, query_lengths, key_lengths)
+    query_spans, key_spans = _spans(query_lengths), _spans(key_lengths)
+    inputs = [queries] if causal else [queries, keys_values]
+    ours_in = [x.clone().requires_grad_() for x in inputs]
+    theirs_in = [x.float().requires_grad_() for x in inputs]
+
+    ours = flat_attention(ours_in[0], None if causal else ours_in[1], query_spans, key_spans, HEADS, causal=causal)
+    q, k, v = theirs_in[0].chunk(3, 1) if causal else (theirs_in[0], *theirs_in[1].chunk(2, 1))
+    theirs = _per_sentence(q, k, v, query_spans, key_spans, causal)
+    grad = torch.randn(ours.shape).to(dtype)
+    (ours * grad).sum().backward()
+    (theirs * grad.float()).sum().backward()
+
+    assert ours.dtype == dtype
+    torch.testing.assert_close(ours.float(), theirs, atol=tolerance, rtol=tolerance)
+    assert not ours[-PADDING_ROWS:].any()
+    for mine, reference in zip(ours_in, theirs_in):
+        torch.testing.assert_close(mine.grad.float(), reference.grad, atol=tolerance, rtol=tolerance)
+        assert not mine.grad[-PADDING_ROWS:].any()
+
+
+def test_any_thread_count_gives_the_same_bits(fused_kernels):
+    lengths = [9, 30, 4, 22, 17]
+    queries, _ = _inputs(torch.bfloat16, True, 32, lengths, lengths)
+    spans = _spans(lengths)
+    results = []
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            x = queries.clone().requires_grad_()
+            out = flat_attention(x, None, spans, spans, HEADS, causal=True)
+            out.square().sum().backward()
+            results.append((out, x.grad))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+def test_spans_are_listed_for_right_padded_rows_only():
+    right_padded = torch.tensor([[True, True, False], [True, True, True], [True, False, False]])
+    assert Rows.of(right_padded, 1).spans.tolist() == [[0, 2], [2, 3], [5, 1]]
+    assert Rows.of(torch.ones(2, 3, dtype=torch.bool), 1).spans.tolist() == [[0, 3], [3, 3]]
+    hole = torch.tensor([[True, False, True], [True, True, True]])
+    assert Rows.of(hole, 1).spans is None
+
+
+def _gradients(model, src, tgt_in, tgt_out):
+    model.zero_grad()
+    logits = model(src, tgt_in)
+    loss = F.cross_entropy(logits.flatten(0, 1), tgt_out.flatten(), ignore_index=PAD_ID)
+    loss.backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def test_a_model_computes_the_same_loss_and_gradients_with_and_without_it(fused_kernels, monkeypatch):
+    """Teacher forcing on right-padded batches: encoder self-attention, decoder causal self-attention and
+    cross-attention all take the flat path; with the kernels switched off, PyTorch's attention."""
+    config = ModelConfig(d_model=48, heads=HEADS, ffn_dim=64, encoder_layers=2, decoder_layers=2, dropout=0.0)
+    torch.manual_seed(0)
+    model = Seq2SeqTransformer(config, src_vocab_size=50, tgt_vocab_size=50)
+    src = torch.randint(4, 50, (4, 11))
+    tgt = torch.randint(4, 50, (4, 9))
+    for row, (src_length, tgt_length) in enumerate([(11, 9), (3, 2), (7, 9), (1, 4)]):
+        src[row, src_length:] = PAD_ID
+        tgt[row, tgt_length:] = PAD_ID
+    tgt_in, tgt_out = tgt[:, :-1], tgt[:, 1:]
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs["causal"])
+        return flat_attention(*args, **kwargs)
+
+    monkeypatch.setattr(layers, "flat_attention", counted)
+    flat = _gradients(model, src, tgt_in, tgt_out)
+    assert sorted(calls) == [False] * 4 + [True] * 2  # 2 encoder + 2 cross; 2 decoder self-attentions
+    monkeypatch.setenv(SWITCH, "0")
+    pytorch = _gradients(model, src, tgt_in, tgt_out)
+    assert len(calls) == 6
+
+    torch.testing.assert_close(flat[0], pytorch[0], atol=1e-5, rtol=1e-5)
+    assert flat[1].keys() == pytorch[1].keys()
+    for name, grad in flat[1].items():
+        torch.testing.assert_close(grad, pytorch[1][name], atol=1e-5, rtol=1e-4, msg=name)
