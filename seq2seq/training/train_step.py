@@ -134,7 +134,10 @@ def train_step(
         group["lr"] = lr
     scaler.unscale_(optimizer)
     max_norm = config.clip_norm if config.clip_norm > 0 else math.inf
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    if working is None:
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    else:
+        grad_norm = working.clip_grad_norm_(max_norm)
     skipped = ~torch.isfinite(grad_norm)  # any inf/NaN gradient makes the norm non-finite
     step_unless_skipped(optimizer, scaler, skipped)
     optimizer.zero_grad(set_to_none=True)

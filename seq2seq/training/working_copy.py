@@ -57,11 +57,24 @@ class WorkingCopy:
         if not given:
             return
         torch._foreach_copy_([self._grad_views[i] for i in given], [self._pairs[i][1].grad for i in given])
+        missing = set(range(len(self._pairs))).difference(given)
+        if missing:  # zeros for them, which clip_grad_norm_ reads with the rest
+            torch._foreach_zero_([self._grad_views[i] for i in missing])
         self._master_grads.copy_(self._grads)  # the one conversion
         for index in given:
             self._pairs[index][0].grad = self._master_grad_views[index]
         for _, working in self._pairs:
             working.grad = None
+
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """torch.nn.utils.clip_grad_norm_ of the master weights' gradients after hand_over: their norm,
+        and all of them scaled to at most `max_norm`, on their one flat buffer at once where PyTorch's
+        takes a norm and a scaling per weight."""
+        norm = torch.linalg.vector_norm(self._master_grads)
+        self._master_grads.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+        return norm
 
 
 def _flatten(parameters: list[nn.Parameter]) -> torch.Tensor:
