@@ -33,19 +33,28 @@ typedef float Vec __attribute__((vector_size(kLanes * sizeof(float)), aligned(4)
 
 inline int64_t round_up(int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
 
+// A matrix of floats read one element at a time: A[i, k] at data[i * row + k * col], so that a
+// transposed matrix is the same data with its strides swapped (no copy).
+struct Strided {
+  const float* data;
+  int64_t row, col;
+  float operator()(int64_t i, int64_t k) const { return data[i * row + k * col]; }
+  Strided from_row(int64_t i) const { return {data + i * row, row, col}; }
+  Strided transposed() const { return {data, col, row}; }
+};
+
 // C[i, j0:j0 + V * kLanes] = sum over k of A[i, k] B[k, j0:...] for R rows i from row 0: R x V vectors of
 // sums held in registers while B's rows stream past. fp-contract=fast here alone: each product and sum
 // becomes one fused multiply-add (the other kernels keep PyTorch's separate roundings).
 template <int R, int V>
-__attribute__((optimize("fp-contract=fast"))) inline void block_product(int64_t depth, const float* a, int64_t lda,
-                                                                       const float* b, int64_t ldb, float* c,
-                                                                       int64_t ldc) {
+__attribute__((optimize("fp-contract=fast"))) inline void block_product(int64_t depth, Strided a, const float* b,
+                                                                       int64_t ldb, float* c, int64_t ldc) {
   Vec sums[R][V] = {};
   for (int64_t k = 0; k < depth; ++k) {
     Vec columns[V];
     for (int v = 0; v < V; ++v) columns[v] = *reinterpret_cast<const Vec*>(b + k * ldb + v * kLanes);
     for (int r = 0; r < R; ++r) {
-      const float scalar = a[r * lda + k];
+      const float scalar = a(r, k);
       for (int v = 0; v < V; ++v) sums[r][v] += scalar * columns[v];
     }
   }
@@ -53,27 +62,45 @@ __attribute__((optimize("fp-contract=fast"))) inline void block_product(int64_t 
     for (int v = 0; v < V; ++v) *reinterpret_cast<Vec*>(c + r * ldc + v * kLanes) = sums[r][v];
 }
 
+// The register block: kBlockRows rows x kBlockVectors vectors of sums. With AVX-512's 32 registers of
+// 16 floats, 8 x 2 (16 registers of sums); with AVX2's 16 registers of 8 floats a Vec takes two, so
+// 4 x 1 (8 registers): a larger block would spill its sums to memory.
+#if defined(__AVX512F__)
+constexpr int kBlockRows = 4, kBlockVectors = 2;
+#else
+constexpr int kBlockRows = 4, kBlockVectors = 1;
+#endif
+
 template <int R>
-void row_block(int64_t cols, int64_t depth, const float* a, int64_t lda, const float* b, int64_t ldb, float* c,
-               int64_t ldc) {
+void row_block(int64_t cols, int64_t depth, Strided a, const float* b, int64_t ldb, float* c, int64_t ldc) {
   int64_t j = 0;
-  for (; j + 2 * kLanes <= cols; j += 2 * kLanes) block_product<R, 2>(depth, a, lda, b + j, ldb, c + j, ldc);
-  if (j < cols) block_product<R, 1>(depth, a, lda, b + j, ldb, c + j, ldc);
+  for (; j + kBlockVectors * kLanes <= cols; j += kBlockVectors * kLanes)
+    block_product<R, kBlockVectors>(depth, a, b + j, ldb, c + j, ldc);
+  for (; j < cols; j += kLanes) block_product<R, 1>(depth, a, b + j, ldb, c + j, ldc);
 }
 
-// C (rows x cols) = A (rows x depth) B (depth x cols), row-major with row strides lda, ldb, ldc; cols
-// is a multiple of kLanes (the buffers pad their columns with zeros).
-void product(int64_t rows, int64_t cols, int64_t depth, const float* a, int64_t lda, const float* b, int64_t ldb,
-             float* c, int64_t ldc) {
-  int64_t i = 0;
-  for (; i + 4 <= rows; i += 4) row_block<4>(cols, depth, a + i * lda, lda, b, ldb, c + i * ldc, ldc);
-  switch (rows - i) {
-    case 3: row_block<3>(cols, depth, a + i * lda, lda, b, ldb, c + i * ldc, ldc); break;
-    case 2: row_block<2>(cols, depth, a + i * lda, lda, b, ldb, c + i * ldc, ldc); break;
-    case 1: row_block<1>(cols, depth, a + i * lda, lda, b, ldb, c + i * ldc, ldc); break;
-    default: break;
+// The last rows % kBlockRows rows of a product, R of them or fewer.
+template <int R>
+void last_rows(int64_t rows, int64_t cols, int64_t depth, Strided a, const float* b, int64_t ldb, float* c,
+               int64_t ldc) {
+  if constexpr (R > 0) {
+    if (rows == R) row_block<R>(cols, depth, a, b, ldb, c, ldc);
+    else last_rows<R - 1>(rows, cols, depth, a, b, ldb, c, ldc);
   }
 }
+
+// C (rows x cols) = A (rows x depth) B (depth x cols); B and C row-major with row strides ldb, ldc, and
+// cols a multiple of kLanes (the buffers pad their columns).
+void product(int64_t rows, int64_t cols, int64_t depth, Strided a, const float* b, int64_t ldb, float* c,
+             int64_t ldc) {
+  int64_t i = 0;
+  for (; i + kBlockRows <= rows; i += kBlockRows)
+    row_block<kBlockRows>(cols, depth, a.from_row(i), b, ldb, c + i * ldc, ldc);
+  last_rows<kBlockRows - 1>(rows - i, cols, depth, a.from_row(i), b, ldb, c + i * ldc, ldc);
+}
+
+// A row-major matrix with row stride `stride`.
+Strided rows_of(const float* data, int64_t stride) { return {data, stride, 1}; }
 
 // rows x width of `source` (row stride `stride`) into `out` (row stride out_stride) as floats: as they
 // are, or transposed (out[d][r] = source[r][d]); out's padding columns are left as they were.
@@ -93,11 +120,6 @@ void write_rows(const float* values, int64_t values_stride, int64_t rows, int64_
   for (int64_t r = 0; r < rows; ++r)
 #pragma omp simd
     for (int64_t d = 0; d < width; ++d) store(out + r * stride + d, values[r * values_stride + d]);
-}
-
-void transpose(const float* source, int64_t rows, int64_t cols, int64_t stride, float* out, int64_t out_stride) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c) out[c * out_stride + r] = source[r * stride + c];
 }
 
 // One sentence and head: its shapes and where its rows lie.
@@ -178,9 +200,9 @@ void forward_task(const Task& t, const T* q, int64_t q_stride, const T* k, int64
   read_rows(q + t.query_row * q_stride + t.column, q_stride, queries, t.head_dim, query, dim, false);
   read_rows(k + t.key_row * k_stride + t.column, k_stride, t.keys, t.head_dim, keys_t, keys, true);
   read_rows(v + t.key_row * v_stride + t.column, v_stride, t.keys, t.head_dim, value, dim, false);
-  product(queries, keys, t.head_dim, query, dim, keys_t, keys, scores, keys);
+  product(queries, keys, t.head_dim, rows_of(query, dim), keys_t, keys, scores, keys);
   softmax_rows(t, scores, lse);
-  product(queries, dim, t.keys, scores, keys, value, dim, output, dim);
+  product(queries, dim, t.keys, rows_of(scores, keys), value, dim, output, dim);
   write_rows(output, dim, queries, t.head_dim, out + t.query_row * out_stride + t.column, out_stride);
 }
 
@@ -191,7 +213,7 @@ void backward_task(const Task& t, const T* grad_out, int64_t g_stride, const T* 
                    int64_t k_stride, const T* v, int64_t v_stride, const float* lse, T* grad_q, int64_t gq_stride,
                    T* grad_k, int64_t gk_stride, T* grad_v, int64_t gv_stride, Scratch& scratch) {
   const int64_t dim = t.padded_dim, keys = t.padded_keys, queries = t.queries;
-  scratch.start(3 * queries * dim + 4 * dim * keys + 3 * queries * keys);
+  scratch.start(3 * queries * dim + 4 * dim * keys + 2 * queries * keys);
   float* query = scratch.take(queries * dim);
   float* grad_output = scratch.take(queries * dim);
   float* keys_t = scratch.take(dim * keys);
@@ -199,7 +221,6 @@ void backward_task(const Task& t, const T* grad_out, int64_t g_stride, const T* 
   float* key = scratch.take(keys * dim);
   float* probs = scratch.take(queries * keys);
   float* grad_scores = scratch.take(queries * keys);
-  float* transposed = scratch.take(keys * queries);  // P^T, then dS^T
   float* result = scratch.take(keys * dim);           // dv, then dk
   float* result_q = scratch.take(queries * dim);
   read_rows(q + t.query_row * q_stride + t.column, q_stride, queries, t.head_dim, query, dim, false);
@@ -208,9 +229,9 @@ void backward_task(const Task& t, const T* grad_out, int64_t g_stride, const T* 
   read_rows(k + t.key_row * k_stride + t.column, k_stride, t.keys, t.head_dim, key, dim, false);
   read_rows(v + t.key_row * v_stride + t.column, v_stride, t.keys, t.head_dim, values_t, keys, true);
 
-  product(queries, keys, t.head_dim, query, dim, keys_t, keys, probs, keys);
+  product(queries, keys, t.head_dim, rows_of(query, dim), keys_t, keys, probs, keys);
   probabilities_from_lse(t, probs, lse);
-  product(queries, keys, t.head_dim, grad_output, dim, values_t, keys, grad_scores, keys);
+  product(queries, keys, t.head_dim, rows_of(grad_output, dim), values_t, keys, grad_scores, keys);
   for (int64_t i = 0; i < queries; ++i) {
     const float* p = probs + i * keys;
     float* g = grad_scores + i * keys;
@@ -222,13 +243,11 @@ void backward_task(const Task& t, const T* grad_out, int64_t g_stride, const T* 
     for (int64_t j = 0; j < visible; ++j) g[j] = t.scale * p[j] * (g[j] - total);
     for (int64_t j = visible; j < t.keys; ++j) g[j] = 0.0f;
   }
-  transpose(probs, queries, t.keys, keys, transposed, queries);
-  product(t.keys, dim, queries, transposed, queries, grad_output, dim, result, dim);
+  product(t.keys, dim, queries, rows_of(probs, keys).transposed(), grad_output, dim, result, dim);
   write_rows(result, dim, t.keys, t.head_dim, grad_v + t.key_row * gv_stride + t.column, gv_stride);
-  transpose(grad_scores, queries, t.keys, keys, transposed, queries);
-  product(t.keys, dim, queries, transposed, queries, query, dim, result, dim);
+  product(t.keys, dim, queries, rows_of(grad_scores, keys).transposed(), query, dim, result, dim);
   write_rows(result, dim, t.keys, t.head_dim, grad_k + t.key_row * gk_stride + t.column, gk_stride);
-  product(queries, dim, t.keys, grad_scores, keys, key, dim, result_q, dim);
+  product(queries, dim, t.keys, rows_of(grad_scores, keys), key, dim, result_q, dim);
   write_rows(result_q, dim, queries, t.head_dim, grad_q + t.query_row * gq_stride + t.column, gq_stride);
 }
 
