@@ -66,7 +66,6 @@ class WorkingCopy:
         for _, working in self._pairs:
             working.grad = None
 
-
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """torch.nn.utils.clip_grad_norm_ of the master weights' gradients after hand_over: their norm,
