@@ -26,9 +26,15 @@ namespace {
 
 using namespace seq2seq_cpu;
 
-constexpr int64_t kLanes = 16;  // floats in one Vec
-// 16 floats that the compiler maps onto the machine's registers (one AVX-512 register, two AVX2 ones);
-// aligned(4): loads and stores at any float's address.
+// A vector of floats as wide as the machine's registers (the compiler maps it onto them: 16 floats
+// with AVX-512, 8 with AVX2, 4 otherwise); aligned(4): loads and stores at any float's address.
+#if defined(__AVX512F__)
+constexpr int64_t kLanes = 16;
+#elif defined(__AVX__)
+constexpr int64_t kLanes = 8;
+#else
+constexpr int64_t kLanes = 4;
+#endif
 typedef float Vec __attribute__((vector_size(kLanes * sizeof(float)), aligned(4)));
 
 inline int64_t round_up(int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
@@ -62,14 +68,9 @@ __attribute__((optimize("fp-contract=fast"))) inline void block_product(int64_t 
     for (int v = 0; v < V; ++v) *reinterpret_cast<Vec*>(c + r * ldc + v * kLanes) = sums[r][v];
 }
 
-// The register block: kBlockRows rows x kBlockVectors vectors of sums. With AVX-512's 32 registers of
-// 16 floats, 8 x 2 (16 registers of sums); with AVX2's 16 registers of 8 floats a Vec takes two, so
-// 4 x 1 (8 registers): a larger block would spill its sums to memory.
-#if defined(__AVX512F__)
+// The register block: kBlockRows rows x kBlockVectors vectors of sums, 8 of the 16 (AVX2) or 32
+// (AVX-512) vector registers, which leaves room for B's vectors and A's broadcasts.
 constexpr int kBlockRows = 4, kBlockVectors = 2;
-#else
-constexpr int kBlockRows = 4, kBlockVectors = 1;
-#endif
 
 template <int R>
 void row_block(int64_t cols, int64_t depth, Strided a, const float* b, int64_t ldb, float* c, int64_t ldc) {
