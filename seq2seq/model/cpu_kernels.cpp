@@ -115,12 +115,7 @@ constexpr int64_t kWordsPerBlock = 256;
 
 inline void draw_words(uint64_t seed, int64_t first_word, uint64_t* words) {
 #pragma omp simd
-  for (int64_t w = 0; w < kWordsPerBlock; ++w) {
-    uint64_t z = seed + static_cast<uint64_t>(first_word + w + 1) * 0x9E3779B97F4A7C15ull;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    words[w] = z ^ (z >> 31);
-  }
+  for (int64_t w = 0; w < kWordsPerBlock; ++w) words[w] = random_word(seed, first_word + w);
 }
 
 // out = addend + x * scale where an element is kept (its 16 bits at or above `dropped_below`), addend

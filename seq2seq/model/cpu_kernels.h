@@ -1,5 +1,6 @@
-// What the fused CPU kernels share (cpu_kernels.cpp, cpu_attention.cpp): bf16 loads and stores
-// that round as PyTorch's casts do, and an exp that the compiler vectorises.
+// What the fused CPU kernels share (cpu_kernels.cpp, cpu_attention.cpp, cpu_residual_norm.cpp): bf16
+// loads and stores that round as PyTorch's casts do, an exp that the compiler vectorises, and
+// dropout's random bits.
 
 #pragma once
 
@@ -43,6 +44,15 @@ inline float exp_nonpositive(float x) {
   const float p =
       1.0f + r * (1.0f + r * (0.5f + r * (0.166666672f + r * (0.0416666679f + r * (0.00833333377f + r * 0.00138888892f)))));
   return p * from_bits(static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23);
+}
+
+// Word `index` of the random stream keyed by `seed`: SplitMix64's output for that counter. Dropout
+// reads 16 bits an element, element i lane i % 4 of word i / 4.
+inline uint64_t random_word(uint64_t seed, int64_t index) {
+  uint64_t z = seed + static_cast<uint64_t>(index + 1) * 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
 }
 
 }  // namespace seq2seq_cpu

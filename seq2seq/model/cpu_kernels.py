@@ -1,4 +1,5 @@
-"""Fused CPU kernels (cpu_kernels.cpp, cpu_attention.cpp), built for this machine the first time they are needed.
+"""Fused CPU kernels (cpu_kernels.cpp, cpu_attention.cpp, cpu_residual_norm.cpp), built for this
+machine the first time they are needed.
 
 Where a CPU's matrix products are fast (bf16 on AMX), a training step is bound by the memory traffic
 of the work between them. PyTorch runs that work as one pass over a whole tensor per operation, each
@@ -33,7 +34,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "cpu_attention.cpp"))
+SOURCES = tuple(
+    Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "cpu_attention.cpp", "cpu_residual_norm.cpp")
+)
 HEADER = Path(__file__).with_name("cpu_kernels.h")
 SWITCH = "SEQ2SEQ_CPU_KERNELS"  # "0": never build or use them (compare speed, rule them out)
 # -ffp-contract=off: no multiply and add fused into one rounding, so that a sum rounds as PyTorch's

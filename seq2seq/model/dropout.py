@@ -13,7 +13,8 @@ Where the fused CPU kernels are built (cpu_kernels.py), drawing the bits, maskin
 the residual connection's addition, `dropout_add`) are one pass over memory, where they were four
 or five: the bits come from a counter-based generator keyed by one draw from PyTorch's generator per
 call, so the backward pass draws the same mask again from the key instead of keeping it. The masks
-differ from those of the PyTorch path; each path is reproducible from the seed.
+differ from those of the PyTorch path; each path is reproducible from the seed. A post-norm layer's
+LayerNorm after the residual addition joins that pass too (`dropout_add_norm`).
 """
 
 from __future__ import annotations
@@ -44,6 +45,15 @@ def dropout_add(residual: Tensor, x: Tensor, p: float, *, training: bool) -> Ten
     if training and p > 0.0 and round(p * _LEVELS) < _LEVELS and alike and _fused(x) and _fused(residual):
         return _FusedDropout.apply(x, residual, p)
     return residual + dropout(x, p, training=training)
+
+
+def dropout_add_norm(residual: Tensor, x: Tensor, norm: nn.LayerNorm, p: float, *, training: bool) -> Tensor:
+    """norm(residual + dropout(x, p)), post-norm's residual connection: in one pass each way on a CPU
+    where the fused kernels are built (cpu_residual_norm.cpp), with dropout_add's mask."""
+    alike = residual.shape == x.shape and residual.dtype == x.dtype == norm.weight.dtype
+    if training and p > 0.0 and round(p * _LEVELS) < _LEVELS and alike and _fused(x) and _fused(residual):
+        return _FusedDropoutAddNorm.apply(residual, x, norm.weight, norm.bias, p, norm.eps)
+    return norm(dropout_add(residual, x, p, training=training))
 
 
 def _fused(x: Tensor) -> bool:
@@ -137,3 +147,27 @@ class _FusedDropout(torch.autograd.Function):
     def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor | None, None]:
         grad_x = cpu_kernels().dropout(grad.contiguous(), None, ctx.key, ctx.dropped_below, ctx.scale)
         return grad_x, grad if ctx.has_residual else None, None
+
+
+class _FusedDropoutAddNorm(torch.autograd.Function):
+    """LayerNorm(residual + dropout(x)) through cpu_residual_norm.cpp; keeps the sum (which the
+    PyTorch path keeps too, as LayerNorm's input) and each row's mean and 1 / std."""
+
+    @staticmethod
+    def forward(ctx, residual: Tensor, x: Tensor, weight: Tensor, bias: Tensor, p: float, eps: float) -> Tensor:
+        ctx.key = torch.empty((), dtype=torch.int64).random_(-(2**63), None)  # from the seeded generator
+        ctx.dropped_below, ctx.scale = round(p * _LEVELS), _scale(p)
+        out, total, stats = cpu_kernels().dropout_add_norm(
+            residual.contiguous(), x.contiguous(), ctx.key, ctx.dropped_below, ctx.scale, weight.contiguous(),
+            bias.contiguous(), eps,
+        )  # fmt: skip
+        ctx.save_for_backward(total, stats, weight)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
+        total, stats, weight = ctx.saved_tensors
+        grad_residual, grad_x, grad_weight, grad_bias = cpu_kernels().dropout_add_norm_backward(
+            grad.contiguous(), total, stats, weight.contiguous(), ctx.key, ctx.dropped_below, ctx.scale
+        )
+        return grad_residual, grad_x, grad_weight, grad_bias, None, None

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from seq2seq.config import ModelConfig
 from seq2seq.model.cpu_attention import FlatKeysValues, column_blocks, flat_attention, flat_attention_applies
-from seq2seq.model.dropout import Dropout, dropout_add
+from seq2seq.model.dropout import Dropout, dropout_add, dropout_add_norm
 from seq2seq.model.execution import LayerCache, Memory, Rows, attention, attention_dtype, probabilities, split_heads
 
 
@@ -137,7 +137,7 @@ class Residual(nn.Module):
         p, training = self.dropout.p, self.training  # dropout_add(x, y) is x + dropout(y), fused where it can be
         if self.pre_norm:
             return dropout_add(x, sublayer(self.norm(x)), p, training=training)
-        return self.norm(dropout_add(x, sublayer(x), p, training=training))
+        return dropout_add_norm(x, sublayer(x), self.norm, p, training=training)
 
 
 def _attention(config: ModelConfig) -> MultiHeadAttention:
