@@ -141,3 +141,24 @@ def test_a_model_computes_the_same_loss_and_gradients_with_and_without_it(fused_
     assert flat[1].keys() == pytorch[1].keys()
     for name, grad in flat[1].items():
         torch.testing.assert_close(grad, pytorch[1][name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_bf16_rows_attend_in_fp32_rounded_once(fused_kernels, causal):
+    """bf16 q, k, v in: the output is fp32 attention rounded once to bf16, not attention over bf16-rounded
+    scores (which cost BLEU: docs/performance.md)."""
+    torch.manual_seed(0)
+    head_dim, length = 16, 9
+    fused = torch.randn(length, 3 * HEADS * head_dim).mul(4).bfloat16()
+    spans = _spans([length])
+    out = flat_attention(fused, None, spans, spans, HEADS, causal=causal)
+    q, k, v = (part.double().unflatten(1, (HEADS, -1)).transpose(0, 1) for part in fused.chunk(3, 1))
+    scores = q @ k.transpose(-2, -1) * head_dim**-0.5
+    if causal:
+        scores = scores.masked_fill(torch.ones(length, length, dtype=torch.bool).triu(1), float("-inf"))
+    exact = (scores.softmax(-1) @ v).transpose(0, 1).flatten(1)
+    rounded_scores = (scores.bfloat16().double().softmax(-1) @ v).transpose(0, 1).flatten(1)
+    ours, theirs = (out.double() - exact).abs().max(), (rounded_scores - exact).abs().max()
+    assert out.dtype == torch.bfloat16
+    assert ours <= exact.abs().max() * 2**-8  # one bf16 rounding of the output, nothing more
+    assert theirs > 2 * ours  # the check can tell the two apart
