@@ -40,6 +40,7 @@ def flat_attention_applies(x: Tensor, spans: Tensor | None, dropout_p: float) ->
         spans is not None
         and dropout_p == 0.0
         and x.device.type == "cpu"
+        and x.dtype in (torch.float32, torch.bfloat16)  # what the kernel reads (a CPU trains in one of them)
         and not torch.compiler.is_compiling()
         and cpu_kernels() is not None
     )
