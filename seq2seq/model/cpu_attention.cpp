@@ -273,7 +273,7 @@ void check_matrix(const at::Tensor& x, const at::Tensor& like, int64_t rows, con
 }
 
 struct Layout {
-  int64_t sentences, heads, head_dim, used_queries;
+  int64_t sentences, heads, head_dim, used_queries, used_keys;
   at::Tensor query_spans, key_spans;
   bool causal;
 };
@@ -289,7 +289,7 @@ Layout check_layout(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   check_matrix(k, q, used_keys, "k");
   check_matrix(v, q, used_keys, "v");
   if (causal) TORCH_CHECK(query_spans.equal(key_spans), "causal attention: queries and keys of the same rows");
-  return {query_spans.size(0), heads, q.size(1) / heads, used_queries, query_spans, key_spans, causal};
+  return {query_spans.size(0), heads, q.size(1) / heads, used_queries, used_keys, query_spans, key_spans, causal};
 }
 
 // work(T{}) with T the element type of x: float or c10::BFloat16.
@@ -345,7 +345,7 @@ void attention_backward(const at::Tensor& grad_out, const at::Tensor& q, const a
                         const at::Tensor& lse, const at::Tensor& query_spans, const at::Tensor& key_spans,
                         int64_t heads, bool causal, at::Tensor grad_q, at::Tensor grad_k, at::Tensor grad_v) {
   const Layout layout = check_layout(q, k, v, query_spans, key_spans, heads, causal);
-  const int64_t used_keys = check_spans(key_spans, "key_spans");
+  const int64_t used_keys = layout.used_keys;
   check_matrix(grad_out, q, layout.used_queries, "grad_out");
   check_matrix(grad_q, q, layout.used_queries, "grad_q");
   check_matrix(grad_k, q, used_keys, "grad_k");
