@@ -68,15 +68,23 @@ __attribute__((optimize("fp-contract=fast"))) inline void block_product(int64_t 
     for (int v = 0; v < V; ++v) *reinterpret_cast<Vec*>(c + r * ldc + v * kLanes) = sums[r][v];
 }
 
-// The register block: kBlockRows rows x kBlockVectors vectors of sums, 8 of the 16 (AVX2) or 32
-// (AVX-512) vector registers, which leaves room for B's vectors and A's broadcasts.
-constexpr int kBlockRows = 4, kBlockVectors = 2;
+// The register block: kBlockRows rows x kBlockVectors vectors of sums, 24 of AVX-512's 32 vector
+// registers or 12 of AVX2's 16, which leaves room for B's vectors and A's broadcasts; narrower
+// blocks take the columns left over.
+#if defined(__AVX512F__)
+constexpr int kBlockRows = 6, kBlockVectors = 4;
+#else
+constexpr int kBlockRows = 6, kBlockVectors = 2;
+#endif
 
 template <int R>
 void row_block(int64_t cols, int64_t depth, Strided a, const float* b, int64_t ldb, float* c, int64_t ldc) {
   int64_t j = 0;
   for (; j + kBlockVectors * kLanes <= cols; j += kBlockVectors * kLanes)
     block_product<R, kBlockVectors>(depth, a, b + j, ldb, c + j, ldc);
+  if constexpr (kBlockVectors > 2) {
+    for (; j + 2 * kLanes <= cols; j += 2 * kLanes) block_product<R, 2>(depth, a, b + j, ldb, c + j, ldc);
+  }
   for (; j < cols; j += kLanes) block_product<R, 1>(depth, a, b + j, ldb, c + j, ldc);
 }
 
@@ -103,17 +111,19 @@ void product(int64_t rows, int64_t cols, int64_t depth, Strided a, const float* 
 // A row-major matrix with row stride `stride`.
 Strided rows_of(const float* data, int64_t stride) { return {data, stride, 1}; }
 
-// rows x width of `source` (row stride `stride`) into `out` (row stride out_stride) as floats: as they
-// are, or transposed (out[d][r] = source[r][d]); out's padding columns are left as they were.
+// rows x width of `source` (row stride `stride`) into `out` (row stride out_stride) as floats; out's
+// padding columns are left as they were.
 template <typename T>
-void read_rows(const T* source, int64_t stride, int64_t rows, int64_t width, float* out, int64_t out_stride,
-               bool transposed) {
+void read_rows(const T* source, int64_t stride, int64_t rows, int64_t width, float* out, int64_t out_stride) {
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t d = 0; d < width; ++d) {
-      const float value = load(source[r * stride + d]);
-      if (transposed) out[d * out_stride + r] = value;
-      else out[r * out_stride + d] = value;
-    }
+#pragma omp simd
+    for (int64_t d = 0; d < width; ++d) out[r * out_stride + d] = load(source[r * stride + d]);
+}
+
+// out[d][r] = rows[r][d] for the rows x width floats of `rows` (row stride rows_stride), in cache.
+void transpose(const float* rows, int64_t rows_stride, int64_t count, int64_t width, float* out, int64_t out_stride) {
+  for (int64_t r = 0; r < count; ++r)
+    for (int64_t d = 0; d < width; ++d) out[d * out_stride + r] = rows[r * rows_stride + d];
 }
 
 template <typename T>
@@ -155,36 +165,37 @@ class Scratch {
 };
 
 // probabilities = softmax(scale * q k^T) over the visible keys, zero elsewhere, from scores q k^T in
-// place; each row's log of its sum of exponentials (in scaled units, after the max) into lse.
+// place; each row's log of its sum of exponentials (in scaled units, after the max) into lse. Each
+// loop runs over the whole padded row, whole vectors, and masks the columns past the visible keys
+// (whatever they hold, even a NaN, is selected away): no scalar tail of exponentials.
 void softmax_rows(const Task& t, float* scores, float* lse) {
+  constexpr float kNone = -std::numeric_limits<float>::infinity();
   for (int64_t i = 0; i < t.queries; ++i) {
     float* row = scores + i * t.padded_keys;
     const int64_t visible = t.visible(i);
-    float largest = -std::numeric_limits<float>::infinity();
+    float largest = kNone;
 #pragma omp simd reduction(max : largest)
-    for (int64_t j = 0; j < visible; ++j) largest = std::max(largest, row[j] * t.scale);
+    for (int64_t j = 0; j < t.padded_keys; ++j) largest = std::max(largest, j < visible ? row[j] * t.scale : kNone);
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t j = 0; j < visible; ++j) {
-      row[j] = exp_nonpositive(row[j] * t.scale - largest);
+    for (int64_t j = 0; j < t.padded_keys; ++j) {
+      row[j] = j < visible ? exp_nonpositive(row[j] * t.scale - largest) : 0.0f;
       sum += row[j];
     }
     const float inverse = visible ? 1.0f / sum : 0.0f;
 #pragma omp simd
-    for (int64_t j = 0; j < visible; ++j) row[j] *= inverse;
-    for (int64_t j = visible; j < t.padded_keys; ++j) row[j] = 0.0f;
+    for (int64_t j = 0; j < t.padded_keys; ++j) row[j] *= inverse;
     lse[i] = visible ? largest + std::log(sum) : std::numeric_limits<float>::infinity();
   }
 }
 
-// The probabilities again, from the scores q k^T in place and the forward pass's lse.
+// The probabilities again, from the scores q k^T in place and the forward pass's lse (masked as above).
 void probabilities_from_lse(const Task& t, float* scores, const float* lse) {
   for (int64_t i = 0; i < t.queries; ++i) {
     float* row = scores + i * t.padded_keys;
     const int64_t visible = t.visible(i);
 #pragma omp simd
-    for (int64_t j = 0; j < visible; ++j) row[j] = exp_nonpositive(row[j] * t.scale - lse[i]);
-    for (int64_t j = visible; j < t.padded_keys; ++j) row[j] = 0.0f;
+    for (int64_t j = 0; j < t.padded_keys; ++j) row[j] = j < visible ? exp_nonpositive(row[j] * t.scale - lse[i]) : 0.0f;
   }
 }
 
@@ -192,15 +203,17 @@ template <typename T>
 void forward_task(const Task& t, const T* q, int64_t q_stride, const T* k, int64_t k_stride, const T* v,
                   int64_t v_stride, T* out, int64_t out_stride, float* lse, Scratch& scratch) {
   const int64_t dim = t.padded_dim, keys = t.padded_keys, queries = t.queries;
-  scratch.start(2 * queries * dim + 2 * dim * keys + queries * keys);
+  scratch.start(2 * queries * dim + 3 * dim * keys + queries * keys);
   float* query = scratch.take(queries * dim);
+  float* key = scratch.take(keys * dim);
   float* keys_t = scratch.take(dim * keys);  // (head_dim, keys): scores = query keys_t
   float* value = scratch.take(keys * dim);
   float* scores = scratch.take(queries * keys);
   float* output = scratch.take(queries * dim);
-  read_rows(q + t.query_row * q_stride + t.column, q_stride, queries, t.head_dim, query, dim, false);
-  read_rows(k + t.key_row * k_stride + t.column, k_stride, t.keys, t.head_dim, keys_t, keys, true);
-  read_rows(v + t.key_row * v_stride + t.column, v_stride, t.keys, t.head_dim, value, dim, false);
+  read_rows(q + t.query_row * q_stride + t.column, q_stride, queries, t.head_dim, query, dim);
+  read_rows(k + t.key_row * k_stride + t.column, k_stride, t.keys, t.head_dim, key, dim);
+  transpose(key, dim, t.keys, t.head_dim, keys_t, keys);
+  read_rows(v + t.key_row * v_stride + t.column, v_stride, t.keys, t.head_dim, value, dim);
   product(queries, keys, t.head_dim, rows_of(query, dim), keys_t, keys, scores, keys);
   softmax_rows(t, scores, lse);
   product(queries, dim, t.keys, rows_of(scores, keys), value, dim, output, dim);
@@ -224,11 +237,12 @@ void backward_task(const Task& t, const T* grad_out, int64_t g_stride, const T* 
   float* grad_scores = scratch.take(queries * keys);
   float* result = scratch.take(keys * dim);           // dv, then dk
   float* result_q = scratch.take(queries * dim);
-  read_rows(q + t.query_row * q_stride + t.column, q_stride, queries, t.head_dim, query, dim, false);
-  read_rows(grad_out + t.query_row * g_stride + t.column, g_stride, queries, t.head_dim, grad_output, dim, false);
-  read_rows(k + t.key_row * k_stride + t.column, k_stride, t.keys, t.head_dim, keys_t, keys, true);
-  read_rows(k + t.key_row * k_stride + t.column, k_stride, t.keys, t.head_dim, key, dim, false);
-  read_rows(v + t.key_row * v_stride + t.column, v_stride, t.keys, t.head_dim, values_t, keys, true);
+  read_rows(q + t.query_row * q_stride + t.column, q_stride, queries, t.head_dim, query, dim);
+  read_rows(grad_out + t.query_row * g_stride + t.column, g_stride, queries, t.head_dim, grad_output, dim);
+  read_rows(k + t.key_row * k_stride + t.column, k_stride, t.keys, t.head_dim, key, dim);
+  transpose(key, dim, t.keys, t.head_dim, keys_t, keys);
+  read_rows(v + t.key_row * v_stride + t.column, v_stride, t.keys, t.head_dim, result, dim);  // result: V here
+  transpose(result, dim, t.keys, t.head_dim, values_t, keys);
 
   product(queries, keys, t.head_dim, rows_of(query, dim), keys_t, keys, probs, keys);
   probabilities_from_lse(t, probs, lse);
