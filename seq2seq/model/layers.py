@@ -11,7 +11,6 @@ Transformer checkpoints.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +18,7 @@ from torch import Tensor, nn
 
 from seq2seq.config import ModelConfig
 from seq2seq.model.cpu_attention import FlatKeysValues, column_blocks, flat_attention, flat_attention_applies
+from seq2seq.model.cpu_linear import Linear, linear
 from seq2seq.model.dropout import Dropout, dropout_add, dropout_add_norm
 from seq2seq.model.execution import LayerCache, Memory, Rows, attention, attention_dtype, probabilities, split_heads
 
@@ -30,10 +30,10 @@ class MultiHeadAttention(nn.Module):
         super().__init__()
         self.heads = heads
         self.dropout = dropout
-        self.q_proj = nn.Linear(d_model, d_model)
-        self.k_proj = nn.Linear(d_model, d_model)
-        self.v_proj = nn.Linear(d_model, d_model)
-        self.out_proj = nn.Linear(d_model, d_model)
+        self.q_proj = Linear(d_model, d_model)
+        self.k_proj = Linear(d_model, d_model)
+        self.v_proj = Linear(d_model, d_model)
+        self.out_proj = Linear(d_model, d_model)
 
     def self_attend(self, x: Tensor, rows: Rows, *, mask: Tensor | None, is_causal: bool = False) -> Tensor:
         """Self-attention of the flat rows x (rows.padded, d) -> (rows.padded, d); mask as in `attend`."""
@@ -89,7 +89,7 @@ def stacked_projection(x: Tensor, projections: Sequence[nn.Linear]) -> Tensor:
     if len(projections) == 1:
         return projections[0](x)
     weight = torch.cat([projection.weight for projection in projections])
-    return F.linear(x, weight, torch.cat([projection.bias for projection in projections]))
+    return linear(x, weight, torch.cat([projection.bias for projection in projections]))
 
 
 def memory_keys_values(
@@ -114,14 +114,15 @@ class FeedForward(nn.Module):
 
     def __init__(self, d_model: int, ffn_dim: int, dropout: float, activation: str) -> None:
         super().__init__()
-        self.fc1 = nn.Linear(d_model, ffn_dim)
-        self.fc2 = nn.Linear(ffn_dim, d_model)
+        self.fc1 = Linear(d_model, ffn_dim)
+        self.fc2 = Linear(ffn_dim, d_model)
         self.dropout = Dropout(dropout)
-        # ReLU in place: fc1's output is fresh, and fc1's backward does not read it
-        self.activation = F.gelu if activation == "gelu" else partial(F.relu, inplace=True)
+        self.relu = activation != "gelu"
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.fc2(self.dropout(self.activation(self.fc1(x))))
+        fc1 = self.fc1
+        hidden = linear(x, fc1.weight, fc1.bias, relu=True) if self.relu else F.gelu(fc1(x))
+        return self.fc2(self.dropout(hidden))
 
 
 class Residual(nn.Module):

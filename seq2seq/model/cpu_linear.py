@@ -1,0 +1,66 @@
+"""Linear layers in bf16 on a CPU through oneDNN's inner product, with the bias (and a ReLU) fused in.
+
+Why: PyTorch's bf16 `addmm` on a CPU first copies the bias into every row of its output and then adds
+the matrix product to it, a pass over the output before the product; a ReLU after it is another
+pass, and its backward a third, at AMX speeds each about as long as the product itself. oneDNN's
+inner product, which PyTorch exposes as `mkldnn._linear_pointwise` (its compiler's CPU fusions call
+it), adds the bias and applies the ReLU while it writes each block of the product: a linear layer
+then costs its matrix product. The output is F.linear's, bit for bit (tests). The backward pass
+computes the weight's gradient as (out, in) directly, where PyTorch's produces its transpose and
+the gradient's accumulation copies it into the weight's layout.
+
+Taken for 2-D bf16 rows on a CPU whose PyTorch has oneDNN, outside torch.compile (which has its own
+fusions); fp32 keeps F.linear, whose product takes so much longer that the extra pass hardly shows.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None, *, relu: bool = False) -> Tensor:
+    """F.linear(x, weight, bias), then ReLU where `relu`: fused on a CPU in bf16."""
+    if _fused(x, weight, bias):
+        return _FusedLinear.apply(x, weight, bias, relu)
+    out = F.linear(x, weight, bias)
+    return F.relu(out, inplace=True) if relu else out  # in place: the output is fresh
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters, same checkpoint keys) whose forward is `linear`."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+def _fused(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
+    return (
+        x.device.type == "cpu"
+        and x.dim() == 2
+        and x.dtype == weight.dtype == torch.bfloat16
+        and (bias is None or bias.dtype == torch.bfloat16)
+        and torch.backends.mkldnn.is_available()
+        and not torch.compiler.is_compiling()
+    )
+
+
+class _FusedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, relu: bool) -> Tensor:
+        out = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "relu" if relu else "none", [], "")
+        ctx.save_for_backward(x, weight, out if relu else None)
+        ctx.relu = relu
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None, None]:
+        x, weight, out = ctx.saved_tensors
+        if ctx.relu:  # the ReLU's gradient: zero where its output is
+            grad = torch.ops.aten.threshold_backward(grad, out, 0)
+        wants_x, wants_weight, wants_bias, _ = ctx.needs_input_grad
+        grad_x = grad.mm(weight) if wants_x else None
+        grad_weight = grad.t().mm(x) if wants_weight else None
+        grad_bias = grad.sum(0) if wants_bias else None
+        return grad_x, grad_weight, grad_bias, None

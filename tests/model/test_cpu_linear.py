@@ -1,0 +1,57 @@
+"""Linear layers through oneDNN's fused inner product (model/cpu_linear.py): F.linear's output and
+gradients, with and without the ReLU, in bf16 on a CPU; elsewhere F.linear itself."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from seq2seq.model.cpu_linear import linear
+
+ROWS, IN, OUT = 203, 48, 80
+
+needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
+
+
+def _inputs(bias: bool):
+    generator = torch.Generator().manual_seed(0)
+    x, weight = torch.randn(ROWS, IN, generator=generator), torch.randn(OUT, IN, generator=generator) / 7
+    b = torch.randn(OUT, generator=generator) if bias else None
+    grad = torch.randn(ROWS, OUT, generator=generator).bfloat16()
+    leaves = [t.bfloat16().requires_grad_() if t is not None else None for t in (x, weight, b)]
+    return leaves, grad
+
+
+def _run(fused: bool, bias: bool, relu: bool):
+    (x, weight, b), grad = _inputs(bias)
+    if fused:
+        out = linear(x, weight, b, relu=relu)
+    else:
+        out = F.linear(x, weight, b)
+        out = F.relu(out) if relu else out
+    out.backward(grad)
+    return out, [t.grad for t in (x, weight, b) if t is not None]
+
+
+@needs_onednn
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("relu", [True, False])
+def test_the_fused_linear_is_f_linear_forward_and_backward(bias, relu):
+    out, grads = _run(True, bias, relu)
+    expected_out, expected_grads = _run(False, bias, relu)
+    assert out.grad_fn.name() == "_FusedLinearBackward"  # the fused path ran
+    assert torch.equal(out, expected_out)
+    if relu:
+        assert (out == 0).any() and (out > 0).any()  # the ReLU cut some outputs and kept others
+    for grad, expected in zip(grads, expected_grads, strict=True):
+        assert grad.shape == expected.shape and grad.is_contiguous()
+        assert torch.equal(grad, expected)  # the same products and sums: the same bits
+
+
+def test_fp32_takes_f_linear():
+    (x, weight, b), _ = _inputs(True)
+    x, weight, b = (t.detach().float().requires_grad_() for t in (x, weight, b))
+    out = linear(x, weight, b, relu=True)
+    assert out.grad_fn.name() != "_FusedLinearBackward"
+    assert torch.equal(out, F.relu(F.linear(x, weight, b)))
