@@ -1,5 +1,5 @@
-"""Fused CPU kernels (cpu_kernels.cpp, cpu_attention.cpp, cpu_residual_norm.cpp), built for this
-machine the first time they are needed.
+"""Fused CPU kernels (cpu_kernels.cpp, cpu_attention.cpp, cpu_residual_norm.cpp, cpu_linear.cpp),
+built for this machine the first time they are needed.
 
 Where a CPU's matrix products are fast (bf16 on AMX), a training step is bound by the memory traffic
 of the work between them. PyTorch runs that work as one pass over a whole tensor per operation, each
@@ -35,7 +35,8 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(
-    Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "cpu_attention.cpp", "cpu_residual_norm.cpp")
+    Path(__file__).with_name(name)
+    for name in ("cpu_kernels.cpp", "cpu_attention.cpp", "cpu_residual_norm.cpp", "cpu_linear.cpp")
 )
 HEADER = Path(__file__).with_name("cpu_kernels.h")
 SWITCH = "SEQ2SEQ_CPU_KERNELS"  # "0": never build or use them (compare speed, rule them out)

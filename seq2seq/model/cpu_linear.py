@@ -7,7 +7,9 @@ inner product, which PyTorch exposes as `mkldnn._linear_pointwise` (its compiler
 it), adds the bias and applies the ReLU while it writes each block of the product: a linear layer
 then costs its matrix product. The output is F.linear's, bit for bit (tests). The backward pass
 computes the weight's gradient as (out, in) directly, where PyTorch's produces its transpose and
-the gradient's accumulation copies it into the weight's layout.
+the gradient's accumulation copies it into the weight's layout; a ReLU's gradient and the bias's
+take one pass over the gradient (cpu_linear.cpp, where the fused kernels are built) where PyTorch's
+mask and column sums took two.
 
 Taken for 2-D bf16 rows on a CPU whose PyTorch has oneDNN, outside torch.compile (which has its own
 fusions); fp32 keeps F.linear, whose product takes so much longer that the extra pass hardly shows.
@@ -18,6 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from seq2seq.model.cpu_kernels import cpu_kernels
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None, *, relu: bool = False) -> Tensor:
@@ -57,10 +61,14 @@ class _FusedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None, None]:
         x, weight, out = ctx.saved_tensors
-        if ctx.relu:  # the ReLU's gradient: zero where its output is
-            grad = torch.ops.aten.threshold_backward(grad, out, 0)
         wants_x, wants_weight, wants_bias, _ = ctx.needs_input_grad
+        kernels = cpu_kernels() if ctx.relu and wants_bias else None
+        if kernels is not None:  # the ReLU's gradient and the bias's in one pass (cpu_linear.cpp)
+            grad, grad_bias = kernels.relu_bias_backward(grad.contiguous(), out)
+        else:
+            if ctx.relu:  # the ReLU's gradient: zero where its output is
+                grad = torch.ops.aten.threshold_backward(grad, out, 0)
+            grad_bias = grad.sum(0) if wants_bias else None
         grad_x = grad.mm(weight) if wants_x else None
         grad_weight = grad.t().mm(x) if wants_weight else None
-        grad_bias = grad.sum(0) if wants_bias else None
         return grad_x, grad_weight, grad_bias, None

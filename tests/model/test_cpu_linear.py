@@ -1,5 +1,6 @@
 """Linear layers through oneDNN's fused inner product (model/cpu_linear.py): F.linear's output and
-gradients, with and without the ReLU, in bf16 on a CPU; elsewhere F.linear itself."""
+gradients, with and without the ReLU, in bf16 on a CPU; elsewhere F.linear itself. The ReLU's and
+the bias's gradients in one pass (cpu_linear.cpp): PyTorch's mask, the column sums, any thread count."""
 
 from __future__ import annotations
 
@@ -44,9 +45,11 @@ def test_the_fused_linear_is_f_linear_forward_and_backward(bias, relu):
     assert torch.equal(out, expected_out)
     if relu:
         assert (out == 0).any() and (out > 0).any()  # the ReLU cut some outputs and kept others
-    for grad, expected in zip(grads, expected_grads, strict=True):
+    for grad, expected in zip(grads[:2], expected_grads[:2], strict=True):
         assert grad.shape == expected.shape and grad.is_contiguous()
-        assert torch.equal(grad, expected)  # the same products and sums: the same bits
+        assert torch.equal(grad, expected)  # the same products: the same bits
+    if bias:  # a sum of the same values, perhaps in another order: within one bf16 rounding
+        torch.testing.assert_close(grads[2], expected_grads[2], rtol=8e-3, atol=1e-2)
 
 
 def test_fp32_takes_f_linear():
@@ -55,3 +58,22 @@ def test_fp32_takes_f_linear():
     out = linear(x, weight, b, relu=True)
     assert out.grad_fn.name() != "_FusedLinearBackward"
     assert torch.equal(out, F.relu(F.linear(x, weight, b)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_relu_and_bias_gradients_in_one_pass(fused_kernels, dtype):
+    generator = torch.Generator().manual_seed(1)
+    out = torch.randn(ROWS, OUT, generator=generator).relu().to(dtype)
+    out[0, 0] = float("nan")  # threshold_backward lets a NaN output's gradient through
+    grad = torch.randn(ROWS, OUT, generator=generator).to(dtype)
+    masked, bias_grad = fused_kernels.relu_bias_backward(grad, out)
+    expected = torch.ops.aten.threshold_backward(grad, out, 0)
+    assert torch.equal(masked, expected)
+    sums = expected.double().sum(0)
+    torch.testing.assert_close(bias_grad.double(), sums, rtol=1e-5 if dtype == torch.float32 else 8e-3, atol=1e-5)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(fused_kernels.relu_bias_backward(grad, out)[1], bias_grad)
+    finally:
+        torch.set_num_threads(threads)
