@@ -62,13 +62,21 @@ class _FusedLinear(torch.autograd.Function):
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None, None]:
         x, weight, out = ctx.saved_tensors
         wants_x, wants_weight, wants_bias, _ = ctx.needs_input_grad
-        kernels = cpu_kernels() if ctx.relu and wants_bias else None
-        if kernels is not None:  # the ReLU's gradient and the bias's in one pass (cpu_linear.cpp)
-            grad, grad_bias = kernels.relu_bias_backward(grad.contiguous(), out)
-        else:
-            if ctx.relu:  # the ReLU's gradient: zero where its output is
-                grad = torch.ops.aten.threshold_backward(grad, out, 0)
-            grad_bias = grad.sum(0) if wants_bias else None
+        grad, grad_bias = _relu_and_bias_gradients(grad, out if ctx.relu else None, wants_bias)
         grad_x = grad.mm(weight) if wants_x else None
         grad_weight = grad.t().mm(x) if wants_weight else None
         return grad_x, grad_weight, grad_bias, None
+
+
+def _relu_and_bias_gradients(grad: Tensor, relu_out: Tensor | None, wants_bias: bool) -> tuple[Tensor, Tensor | None]:
+    """The gradient of the product's output (through the ReLU whose output is relu_out, if any) and
+    the bias's, its column sums: in one pass where the fused kernels are built (cpu_linear.cpp)."""
+    kernels = cpu_kernels() if wants_bias else None
+    if kernels is not None:
+        grad = grad.contiguous()
+        if relu_out is None:
+            return grad, kernels.bias_backward(grad)
+        return kernels.relu_bias_backward(grad, relu_out)
+    if relu_out is not None:  # the ReLU's gradient: zero where its output is
+        grad = torch.ops.aten.threshold_backward(grad, relu_out, 0)
+    return grad, grad.sum(0) if wants_bias else None

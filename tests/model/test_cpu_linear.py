@@ -60,20 +60,27 @@ def test_fp32_takes_f_linear():
     assert torch.equal(out, F.relu(F.linear(x, weight, b)))
 
 
+@pytest.mark.parametrize("relu", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_relu_and_bias_gradients_in_one_pass(fused_kernels, dtype):
+def test_relu_and_bias_gradients_in_one_pass(fused_kernels, dtype, relu):
     generator = torch.Generator().manual_seed(1)
     out = torch.randn(ROWS, OUT, generator=generator).relu().to(dtype)
     out[0, 0] = float("nan")  # threshold_backward lets a NaN output's gradient through
     grad = torch.randn(ROWS, OUT, generator=generator).to(dtype)
-    masked, bias_grad = fused_kernels.relu_bias_backward(grad, out)
-    expected = torch.ops.aten.threshold_backward(grad, out, 0)
+
+    def gradients():
+        if relu:
+            return fused_kernels.relu_bias_backward(grad, out)
+        return grad, fused_kernels.bias_backward(grad)
+
+    masked, bias_grad = gradients()
+    expected = torch.ops.aten.threshold_backward(grad, out, 0) if relu else grad
     assert torch.equal(masked, expected)
     sums = expected.double().sum(0)
     torch.testing.assert_close(bias_grad.double(), sums, rtol=1e-5 if dtype == torch.float32 else 8e-3, atol=1e-5)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert torch.equal(fused_kernels.relu_bias_backward(grad, out)[1], bias_grad)
+        assert torch.equal(gradients()[1], bias_grad)
     finally:
         torch.set_num_threads(threads)
