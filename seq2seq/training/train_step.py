@@ -128,16 +128,14 @@ def train_step(
                 loss = output_layer_loss(rows, runs.output_proj.weight, batch.targets, config.label_smoothing)
             scaler.scale(loss * (world_size / update_tokens)).backward()  # DDP averages over ranks
         loss_sum += loss.detach()
-    if working is not None:
-        working.hand_over()
+    max_norm = config.clip_norm if config.clip_norm > 0 else math.inf
     for group in optimizer.param_groups:
         group["lr"] = lr
-    scaler.unscale_(optimizer)
-    max_norm = config.clip_norm if config.clip_norm > 0 else math.inf
     if working is None:
+        scaler.unscale_(optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    else:
-        grad_norm = working.clip_grad_norm_(max_norm)
+    else:  # bf16: no loss scaling to undo
+        grad_norm = working.hand_over(max_norm)
     skipped = ~torch.isfinite(grad_norm)  # any inf/NaN gradient makes the norm non-finite
     step_unless_skipped(optimizer, scaler, skipped)
     optimizer.zero_grad(set_to_none=True)

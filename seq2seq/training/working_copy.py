@@ -9,7 +9,7 @@ GPUs).
 Here the model that trains (the optimizer's, the checkpoint's, validation's) keeps its fp32
 weights, the master copy. The forward and backward passes run on a bf16 copy of it, made once after
 each optimizer step (`refresh`); its gradients are handed to the master in one pass (`hand_over`),
-where clipping and the optimizer work in fp32 as before. In between, activations stay in bf16:
+clipped on the way, and the optimizer works in fp32 as before. In between, activations stay in bf16:
 the residual stream, attention's inputs, LayerNorm's inputs and outputs (PyTorch computes
 LayerNorm's statistics in fp32 for bf16 input), the output layer's rows (the loss computes its
 softmax in fp32, training/loss.py). The gradients of an update's accumulation steps add up in bf16,
@@ -22,6 +22,8 @@ import copy
 
 import torch
 from torch import nn
+
+from seq2seq.model.cpu_kernels import cpu_kernels
 
 
 class WorkingCopy:
@@ -50,30 +52,42 @@ class WorkingCopy:
         self._weights.copy_(self._masters)
 
     @torch.no_grad()
-    def hand_over(self) -> None:
-        """Move the working copy's gradients to the master weights (cast to fp32), and clear them.
-        A weight that got no gradient this update (a layer LayerDrop skipped) gets none."""
+    def hand_over(self, max_norm: float) -> torch.Tensor:
+        """Move the working copy's gradients to the master weights, cast to fp32 and clipped as
+        torch.nn.utils.clip_grad_norm_(max_norm) clips them, and clear them; return their norm before
+        clipping. One norm and one scaling of their flat buffer, where PyTorch's takes a norm and a
+        scaling per weight. A weight that got no gradient this update (a layer LayerDrop skipped)
+        gets none, and counts as zeros in the norm."""
         given = [index for index, (_, working) in enumerate(self._pairs) if working.grad is not None]
-        if not given:
-            return
         torch._foreach_copy_([self._grad_views[i] for i in given], [self._pairs[i][1].grad for i in given])
         missing = set(range(len(self._pairs))).difference(given)
-        if missing:  # zeros for them, which clip_grad_norm_ reads with the rest
+        if missing:
             torch._foreach_zero_([self._grad_views[i] for i in missing])
-        self._master_grads.copy_(self._grads)  # the one conversion
+        norm = self._clip_into_masters(max_norm)
         for index in given:
             self._pairs[index][0].grad = self._master_grad_views[index]
         for _, working in self._pairs:
             working.grad = None
-
-    @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """torch.nn.utils.clip_grad_norm_ of the master weights' gradients after hand_over: their norm,
-        and all of them scaled to at most `max_norm`, on their one flat buffer at once where PyTorch's
-        takes a norm and a scaling per weight."""
-        norm = torch.linalg.vector_norm(self._master_grads)
-        self._master_grads.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
         return norm
+
+    def _clip_into_masters(self, max_norm: float) -> torch.Tensor:
+        """The gathered gradients' norm; the master gradients set to them, cast and clipped. On a CPU
+        with the fused kernels the norm is taken of the bf16 gradients (the values the fp32 ones
+        hold) and the cast and the scaling are one pass; elsewhere the cast, a norm and a scaling."""
+        kernels = cpu_kernels() if self._grads.device.type == "cpu" and self._grads.dtype == torch.bfloat16 else None
+        if kernels is None:
+            self._master_grads.copy_(self._grads)  # the one conversion
+            norm = torch.linalg.vector_norm(self._master_grads)
+            self._master_grads.mul_(_clip_coefficient(norm, max_norm))
+            return norm
+        norm = kernels.square_sum(self._grads).sqrt().float()
+        kernels.widen_scaled_(self._master_grads, self._grads, _clip_coefficient(norm, max_norm))
+        return norm
+
+
+def _clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """What clip_grad_norm_ scales gradients of norm `norm` by: at most 1."""
+    return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
 
 
 def _flatten(parameters: list[nn.Parameter]) -> torch.Tensor:

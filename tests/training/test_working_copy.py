@@ -72,27 +72,30 @@ def test_the_masters_stay_fp32_and_the_copy_is_their_rounding_after_each_update(
     assert all(copy.grad is None for copy in copies.values())  # handed over, nothing left to leak into the next
 
 
-def test_clipping_the_flat_gradients_is_pytorchs_clipping(tokenizer_and_batch):
+def test_clipping_the_flat_gradients_is_pytorchs_clipping(tokenizer_and_batch, cpu_path):
     """One norm and one scaling of the handed-over gradients' buffer give what torch.nn.utils does weight
     by weight, also in an update where only some weights got a gradient (LayerDrop) after one where all
-    did: the others count as zeros, not as their last gradients."""
+    did: the others count as zeros, not as their last gradients. Through the fused kernels (the norm
+    of the bf16 gradients, cast and scaled in one pass) and through PyTorch's operations."""
     model = build_model(MODEL, tokenizer_and_batch[0])
     working = working_copy_for(model, "bf16")
     copies = list(working.model.parameters())
     torch.manual_seed(0)
     for given in (copies, copies[::2]):
-        for weight in given:
-            weight.grad = torch.randn_like(weight)
-        working.hand_over()
+        grads = [torch.randn_like(weight) for weight in given]
+        for weight, grad in zip(given, grads, strict=True):
+            weight.grad = grad
+        theirs = [torch.empty_like(grad, dtype=torch.float32).requires_grad_() for grad in grads]
+        for their, grad in zip(theirs, grads, strict=True):
+            their.grad = grad.float()
+        expected = torch.nn.utils.clip_grad_norm_(theirs, 1.0)
+        norm = working.hand_over(1.0)
         masters = [master for master in model.parameters() if master.grad is not None]
         assert len(masters) == len(given)
-        theirs = [torch.empty_like(master).requires_grad_() for master in masters]
-        for their, master in zip(theirs, masters):
-            their.grad = master.grad.clone()
-        expected = torch.nn.utils.clip_grad_norm_(theirs, 1.0)
         # one sum of squares over millions of floats, in another order: fp32 rounding apart
-        torch.testing.assert_close(working.clip_grad_norm_(1.0), expected, rtol=1e-5, atol=0)
-        for their, master in zip(theirs, masters):
+        torch.testing.assert_close(norm, expected, rtol=1e-5, atol=0)
+        assert expected > 1.0  # the scaling was taken
+        for their, master in zip(theirs, masters, strict=True):
             torch.testing.assert_close(master.grad, their.grad, rtol=1e-5, atol=1e-9)
         model.zero_grad(set_to_none=True)
 
