@@ -56,6 +56,7 @@ struct Strided {
   int64_t row, col;
   float operator()(int64_t i, int64_t k) const { return data[i * row + k * col]; }
   Strided from_row(int64_t i) const { return {data + i * row, row, col}; }
+  Strided from_column(int64_t k) const { return {data + k * col, row, col}; }
   Strided transposed() const { return {data, col, row}; }
 };
 
@@ -82,9 +83,11 @@ __attribute__((optimize("fp-contract=fast"))) inline void block_product(int64_t 
 // registers or 12 of AVX2's 16, which leaves room for B's vectors and A's broadcasts; narrower
 // blocks take the columns left over.
 #if defined(__AVX512F__)
-constexpr int kBlockRows = 6, kBlockVectors = 4;
+constexpr int64_t kBlockRows = 6;
+constexpr int kBlockVectors = 4;
 #else
-constexpr int kBlockRows = 6, kBlockVectors = 2;
+constexpr int64_t kBlockRows = 6;
+constexpr int kBlockVectors = 2;
 #endif
 
 template <int R>
@@ -108,14 +111,30 @@ void last_rows(int64_t rows, int64_t cols, int64_t depth, Strided a, const float
   }
 }
 
+// What a causal task's product may leave out, row block by row block, where the terms it skips are
+// the zeros (or masked scores) above the diagonal: nothing (kAll); the columns past the block's last
+// row (kColumnsToRow: scores, whose masked ones softmax never reads); the depth past it (kDepthToRow:
+// rows of probabilities, zero past the diagonal); the depth before its first row (kDepthFromRow:
+// their transposes). Skipping leading or trailing zero terms leaves every sum's bits as they were.
+enum class Causal { kAll, kColumnsToRow, kDepthToRow, kDepthFromRow };
+
 // C (rows x cols) = A (rows x depth) B (depth x cols); B and C row-major with row strides ldb, ldc, and
 // cols a multiple of kLanes (the buffers pad their columns).
 void product(int64_t rows, int64_t cols, int64_t depth, Strided a, const float* b, int64_t ldb, float* c,
-             int64_t ldc) {
-  int64_t i = 0;
-  for (; i + kBlockRows <= rows; i += kBlockRows)
-    row_block<kBlockRows>(cols, depth, a.from_row(i), b, ldb, c + i * ldc, ldc);
-  last_rows<kBlockRows - 1>(rows - i, cols, depth, a.from_row(i), b, ldb, c + i * ldc, ldc);
+             int64_t ldc, Causal causal = Causal::kAll) {
+  for (int64_t i = 0; i < rows; i += kBlockRows) {
+    const int64_t count = std::min(kBlockRows, rows - i), reach = i + count;
+    int64_t block_cols = cols, block_depth = depth, first = 0;
+    if (causal == Causal::kColumnsToRow) block_cols = std::min(cols, round_up(reach));
+    if (causal == Causal::kDepthToRow) block_depth = std::min(depth, reach);
+    if (causal == Causal::kDepthFromRow) first = std::min(depth, i);
+    const Strided block_a = a.from_row(i).from_column(first);
+    if (count == kBlockRows)
+      row_block<kBlockRows>(block_cols, block_depth - first, block_a, b + first * ldb, ldb, c + i * ldc, ldc);
+    else
+      last_rows<kBlockRows - 1>(count, block_cols, block_depth - first, block_a, b + first * ldb, ldb, c + i * ldc,
+                                ldc);
+  }
 }
 
 // A row-major matrix with row stride `stride`.
@@ -224,9 +243,11 @@ void forward_task(const Task& t, const T* q, int64_t q_stride, const T* k, int64
   read_rows(k + t.key_row * k_stride + t.column, k_stride, t.keys, t.head_dim, key, dim);
   transpose(key, dim, t.keys, t.head_dim, keys_t, keys);
   read_rows(v + t.key_row * v_stride + t.column, v_stride, t.keys, t.head_dim, value, dim);
-  product(queries, keys, t.head_dim, rows_of(query, dim), keys_t, keys, scores, keys);
+  const Causal columns = t.causal ? Causal::kColumnsToRow : Causal::kAll;
+  product(queries, keys, t.head_dim, rows_of(query, dim), keys_t, keys, scores, keys, columns);
   softmax_rows(t, scores, lse);
-  product(queries, dim, t.keys, rows_of(scores, keys), value, dim, output, dim);
+  product(queries, dim, t.keys, rows_of(scores, keys), value, dim, output, dim,
+          t.causal ? Causal::kDepthToRow : Causal::kAll);
   write_rows(output, dim, queries, t.head_dim, out + t.query_row * out_stride + t.column, out_stride);
 }
 
@@ -254,9 +275,10 @@ void backward_task(const Task& t, const T* grad_out, int64_t g_stride, const T* 
   read_rows(v + t.key_row * v_stride + t.column, v_stride, t.keys, t.head_dim, result, dim);  // result: V here
   transpose(result, dim, t.keys, t.head_dim, values_t, keys);
 
-  product(queries, keys, t.head_dim, rows_of(query, dim), keys_t, keys, probs, keys);
+  const Causal columns = t.causal ? Causal::kColumnsToRow : Causal::kAll;
+  product(queries, keys, t.head_dim, rows_of(query, dim), keys_t, keys, probs, keys, columns);
   probabilities_from_lse(t, probs, lse);
-  product(queries, keys, t.head_dim, rows_of(grad_output, dim), values_t, keys, grad_scores, keys);
+  product(queries, keys, t.head_dim, rows_of(grad_output, dim), values_t, keys, grad_scores, keys, columns);
   for (int64_t i = 0; i < queries; ++i) {
     const float* p = probs + i * keys;
     float* g = grad_scores + i * keys;
@@ -268,11 +290,13 @@ void backward_task(const Task& t, const T* grad_out, int64_t g_stride, const T* 
     for (int64_t j = 0; j < visible; ++j) g[j] = t.scale * p[j] * (g[j] - total);
     for (int64_t j = visible; j < t.keys; ++j) g[j] = 0.0f;
   }
-  product(t.keys, dim, queries, rows_of(probs, keys).transposed(), grad_output, dim, result, dim);
+  const Causal from_row = t.causal ? Causal::kDepthFromRow : Causal::kAll;
+  product(t.keys, dim, queries, rows_of(probs, keys).transposed(), grad_output, dim, result, dim, from_row);
   write_rows(result, dim, t.keys, t.head_dim, grad_v + t.key_row * gv_stride + t.column, gv_stride);
-  product(t.keys, dim, queries, rows_of(grad_scores, keys).transposed(), query, dim, result, dim);
+  product(t.keys, dim, queries, rows_of(grad_scores, keys).transposed(), query, dim, result, dim, from_row);
   write_rows(result, dim, t.keys, t.head_dim, grad_k + t.key_row * gk_stride + t.column, gk_stride);
-  product(queries, dim, t.keys, rows_of(grad_scores, keys), key, dim, result_q, dim);
+  product(queries, dim, t.keys, rows_of(grad_scores, keys), key, dim, result_q, dim,
+          t.causal ? Causal::kDepthToRow : Causal::kAll);
   write_rows(result_q, dim, queries, t.head_dim, grad_q + t.query_row * gq_stride + t.column, gq_stride);
 }
 
