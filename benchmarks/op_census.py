@@ -6,7 +6,7 @@ TorchDispatchMode, which sees every ATen op the forward and backward passes disp
 - dtype conversions (a copy whose output has another floating dtype than its input) and their bytes,
   the implicit ones too: an elementwise op given inputs of two floating dtypes (fp32 += bf16) casts
   the other one into a temporary inside the op, which no dispatched op shows;
-- matrix products (mm, addmm, bmm, baddbmm, ...) and their FLOPs;
+- matrix products (mm, addmm, bmm, baddbmm, oneDNN's linear layer, ...) and their FLOPs;
 - the bytes every other op reads and writes (its tensor inputs and outputs): the memory traffic of
   what is not a matrix product, which is the step's work when matrix products are nearly free.
 """
@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 MATMULS = {"mm", "addmm", "bmm", "baddbmm", "_addmm_activation"}
+LINEARS = {"_linear_pointwise"}  # oneDNN's linear layer (model/cpu_linear.py): x, weight (out, in), bias
 ATTENTION = ("scaled_dot_product", "flash_attention", "efficient_attention", "_fused_sdp")
 CONVERSIONS = {"_to_copy", "copy_", "to", "_autocast_to_reduced_precision", "_autocast_to_full_precision"}
 VIEWS = {"view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "slice", "select", "unsqueeze",
@@ -85,6 +86,10 @@ class _Counting(TorchDispatchMode):
                 census.conversion_bytes += _bytes([source, outputs[0]])
                 census.conversions_by_op[name] += 1
                 return out
+        if name in LINEARS:
+            census.matmuls += 1
+            census.matmul_flops += 2 * inputs[0].numel() * inputs[1].shape[0]
+            return out
         if name in MATMULS:
             census.matmuls += 1
             a, b = (inputs[-2], inputs[-1])

@@ -3,6 +3,7 @@ mixes dtypes, matrix products with their FLOPs, and the bytes of everything else
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from benchmarks.op_census import take_census
@@ -35,3 +36,16 @@ def test_an_op_that_mixes_dtypes_counts_its_implicit_cast():
     made = take_census(lambda: torch.zeros_like(part, dtype=torch.float32))  # reads nothing: no cast
     assert mixed.conversions == same.conversions == 1 and made.conversions == 0
     assert mixed.conversion_bytes == same.conversion_bytes == 8 * 4 * (2 + 4)
+
+
+def test_onednns_linear_layer_counts_as_a_matrix_product():
+    """model/cpu_linear.py's bf16 linear layer (oneDNN's op) counts as F.linear does: two products
+    (forward, the weight's gradient) of the same FLOPs, not as an elementwise op's bytes."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("PyTorch built without oneDNN")
+    from seq2seq.model.cpu_linear import Linear
+
+    layer, x = Linear(64, 32).bfloat16(), torch.randn(16, 64, dtype=torch.bfloat16)
+    census = take_census(linear_step(layer, x, None))
+    assert census.matmuls == 2
+    assert census.matmul_flops == 2 * (2 * 16 * 64 * 32)
