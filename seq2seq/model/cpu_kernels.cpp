@@ -95,12 +95,18 @@ at::Tensor label_smoothed_loss_(at::Tensor logits, const at::Tensor& target, dou
   return losses;
 }
 
+// The shared contract of the kernels that write fp32 from bf16 element by element: contiguous CPU
+// tensors of one shape, out fp32 and values bf16.
+static void check_fp32_from_bf16(const at::Tensor& out, const at::Tensor& values) {
+  TORCH_CHECK(out.scalar_type() == at::kFloat && values.scalar_type() == at::kBFloat16, "expected fp32 out, bf16 values");
+  TORCH_CHECK(out.device().is_cpu() && values.device().is_cpu() && out.is_contiguous() && values.is_contiguous() &&
+                  out.sizes() == values.sizes(),
+              "expected contiguous CPU tensors of one shape");
+}
+
 // out += addend, fp32 += bf16, without the fp32 copy of the addend that PyTorch's add_ makes first.
 void add_bf16_(at::Tensor out, const at::Tensor& addend) {
-  TORCH_CHECK(out.scalar_type() == at::kFloat && addend.scalar_type() == at::kBFloat16, "expected fp32 += bf16");
-  TORCH_CHECK(out.device().is_cpu() && addend.device().is_cpu() && out.is_contiguous() && addend.is_contiguous() &&
-                  out.sizes() == addend.sizes(),
-              "expected contiguous CPU tensors of one shape");
+  check_fp32_from_bf16(out, addend);
   float* sums = out.data_ptr<float>();
   const c10::BFloat16* values = addend.data_ptr<c10::BFloat16>();
   at::parallel_for(0, out.numel(), 1 << 14, [&](int64_t begin, int64_t end) {
@@ -141,10 +147,7 @@ at::Tensor square_sum(const at::Tensor& values) {
 // out = values * scale, fp32 from bf16 in one pass (a cast and a scaling): the gradients handed to
 // fp32 master weights, clipped. scale: a one-element fp32 CPU tensor (no read into Python per step).
 void widen_scaled_(at::Tensor out, const at::Tensor& values, const at::Tensor& scale) {
-  TORCH_CHECK(out.scalar_type() == at::kFloat && values.scalar_type() == at::kBFloat16, "expected fp32 = bf16");
-  TORCH_CHECK(out.device().is_cpu() && values.device().is_cpu() && out.is_contiguous() && values.is_contiguous() &&
-                  out.sizes() == values.sizes(),
-              "expected contiguous CPU tensors of one shape");
+  check_fp32_from_bf16(out, values);
   float* into = out.data_ptr<float>();
   const c10::BFloat16* data = values.data_ptr<c10::BFloat16>();
   TORCH_CHECK(scale.device().is_cpu() && scale.numel() == 1 && scale.scalar_type() == at::kFloat,
