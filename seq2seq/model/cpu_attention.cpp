@@ -22,10 +22,6 @@
 #include <tuple>
 #include <vector>
 
-#if defined(__AVX512F__)
-#pragma GCC target("prefer-vector-width=256")
-#endif
-
 // Its loops run over a head's columns or a sentence's keys, a few vectors each: on AVX-512 they keep
 // 256-bit vectors, which measured faster here than the 512 the other kernels ask for (cpu_kernels.py).
 #if defined(__AVX512F__)
@@ -166,6 +162,7 @@ void write_rows(const float* values, int64_t values_stride, int64_t rows, int64_
 struct Task {
   int64_t queries, keys, head_dim, padded_dim, padded_keys;
   int64_t query_row, key_row, column;
+  int64_t kept_at;  // where its (queries, padded_keys) probabilities lie in the forward pass's kept ones
   bool causal;
   float scale;
   // Keys that query i sees: all of them, or (causal) those at or before it.
@@ -228,16 +225,18 @@ void probabilities_from_lse(const Task& t, float* scores, const float* lse) {
   }
 }
 
+// kept: where this task's probabilities are kept for the backward pass (the scores are computed there
+// and turned into them in place), or null: in the thread's scratch, and dropped.
 template <typename T>
 void forward_task(const Task& t, const T* q, int64_t q_stride, const T* k, int64_t k_stride, const T* v,
-                  int64_t v_stride, T* out, int64_t out_stride, float* lse, Scratch& scratch) {
+                  int64_t v_stride, T* out, int64_t out_stride, float* lse, float* kept, Scratch& scratch) {
   const int64_t dim = t.padded_dim, keys = t.padded_keys, queries = t.queries;
-  scratch.start(2 * queries * dim + 3 * dim * keys + queries * keys);
+  scratch.start(2 * queries * dim + 3 * dim * keys + (kept ? 0 : queries * keys));
   float* query = scratch.take(queries * dim);
   float* key = scratch.take(keys * dim);
   float* keys_t = scratch.take(dim * keys);  // (head_dim, keys): scores = query keys_t
   float* value = scratch.take(keys * dim);
-  float* scores = scratch.take(queries * keys);
+  float* scores = kept ? kept : scratch.take(queries * keys);
   float* output = scratch.take(queries * dim);
   read_rows(q + t.query_row * q_stride + t.column, q_stride, queries, t.head_dim, query, dim);
   read_rows(k + t.key_row * k_stride + t.column, k_stride, t.keys, t.head_dim, key, dim);
@@ -252,19 +251,21 @@ void forward_task(const Task& t, const T* q, int64_t q_stride, const T* k, int64
 }
 
 // The gradients of one task, with D_i = sum_j P_ij dP_ij (= dO_i . O_i, without keeping O):
-// dP = dO v^T, dS = P (dP - D), dq = scale dS k, dk = scale dS^T q, dv = P^T dO.
+// dP = dO v^T, dS = P (dP - D), dq = scale dS k, dk = scale dS^T q, dv = P^T dO. P is the forward
+// pass's where it kept them (kept), else recomputed from the scores and lse.
 template <typename T>
 void backward_task(const Task& t, const T* grad_out, int64_t g_stride, const T* q, int64_t q_stride, const T* k,
-                   int64_t k_stride, const T* v, int64_t v_stride, const float* lse, T* grad_q, int64_t gq_stride,
-                   T* grad_k, int64_t gk_stride, T* grad_v, int64_t gv_stride, Scratch& scratch) {
+                   int64_t k_stride, const T* v, int64_t v_stride, const float* lse, const float* kept, T* grad_q,
+                   int64_t gq_stride, T* grad_k, int64_t gk_stride, T* grad_v, int64_t gv_stride, Scratch& scratch) {
   const int64_t dim = t.padded_dim, keys = t.padded_keys, queries = t.queries;
-  scratch.start(3 * queries * dim + 4 * dim * keys + 2 * queries * keys);
+  scratch.start(3 * queries * dim + 4 * dim * keys + (kept ? 1 : 2) * queries * keys);
   float* query = scratch.take(queries * dim);
   float* grad_output = scratch.take(queries * dim);
   float* keys_t = scratch.take(dim * keys);
   float* values_t = scratch.take(dim * keys);
   float* key = scratch.take(keys * dim);
-  float* probs = scratch.take(queries * keys);
+  float* recomputed = kept ? nullptr : scratch.take(queries * keys);
+  const float* probs = kept ? kept : recomputed;
   float* grad_scores = scratch.take(queries * keys);
   float* result = scratch.take(keys * dim);           // dv, then dk
   float* result_q = scratch.take(queries * dim);
@@ -276,8 +277,10 @@ void backward_task(const Task& t, const T* grad_out, int64_t g_stride, const T* 
   transpose(result, dim, t.keys, t.head_dim, values_t, keys);
 
   const Causal columns = t.causal ? Causal::kColumnsToRow : Causal::kAll;
-  product(queries, keys, t.head_dim, rows_of(query, dim), keys_t, keys, probs, keys, columns);
-  probabilities_from_lse(t, probs, lse);
+  if (!kept) {
+    product(queries, keys, t.head_dim, rows_of(query, dim), keys_t, keys, recomputed, keys, columns);
+    probabilities_from_lse(t, recomputed, lse);
+  }
   product(queries, keys, t.head_dim, rows_of(grad_output, dim), values_t, keys, grad_scores, keys, columns);
   for (int64_t i = 0; i < queries; ++i) {
     const float* p = probs + i * keys;
@@ -324,6 +327,9 @@ struct Layout {
   int64_t sentences, heads, head_dim, used_queries, used_keys;
   at::Tensor query_spans, key_spans;
   bool causal;
+  // Where each sentence's probabilities begin among the kept ones (its heads' one after the other),
+  // and after the last, how many floats they all take.
+  std::vector<int64_t> kept_starts;
 };
 
 Layout check_layout(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& query_spans,
@@ -337,7 +343,13 @@ Layout check_layout(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   check_matrix(k, q, used_keys, "k");
   check_matrix(v, q, used_keys, "v");
   if (causal) TORCH_CHECK(query_spans.equal(key_spans), "causal attention: queries and keys of the same rows");
-  return {query_spans.size(0), heads, q.size(1) / heads, used_queries, used_keys, query_spans, key_spans, causal};
+  const int64_t sentences = query_spans.size(0);
+  std::vector<int64_t> kept_starts(static_cast<size_t>(sentences + 1), 0);
+  const int64_t* qs = query_spans.data_ptr<int64_t>();
+  const int64_t* ks = key_spans.data_ptr<int64_t>();
+  for (int64_t b = 0; b < sentences; ++b)
+    kept_starts[b + 1] = kept_starts[b] + heads * qs[2 * b + 1] * round_up(ks[2 * b + 1]);
+  return {sentences, heads, q.size(1) / heads, used_queries, used_keys, query_spans, key_spans, causal, kept_starts};
 }
 
 // work(T{}) with T the element type of x: float or c10::BFloat16.
@@ -359,39 +371,50 @@ void for_each_task(const Layout& layout, Work work) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / layout.heads, h = task % layout.heads;
       const int64_t keys = ks[2 * b + 1];
-      const Task t{qs[2 * b + 1], keys, layout.head_dim, round_up(layout.head_dim), round_up(keys),
-                   qs[2 * b], ks[2 * b], h * layout.head_dim, layout.causal, scale};
+      const int64_t queries = qs[2 * b + 1], padded_keys = round_up(keys);
+      const Task t{queries, keys, layout.head_dim, round_up(layout.head_dim), padded_keys,
+                   qs[2 * b], ks[2 * b], h * layout.head_dim, layout.kept_starts[b] + h * queries * padded_keys,
+                   layout.causal, scale};
       work(t, h, scratch);
     }
   });
 }
 
-// out (q's rows, width): attention of each sentence's queries to its keys, zero in rows after the
-// last span; lse (heads, q's rows): what the backward pass recomputes the probabilities from.
-std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                            const at::Tensor& query_spans, const at::Tensor& key_spans,
-                                            int64_t heads, bool causal) {
+// (out, lse, kept): out (q's rows, width), attention of each sentence's queries to its keys, zero in
+// rows after the last span; lse (heads, q's rows), what the backward pass recomputes the probabilities
+// from; kept, the probabilities themselves in fp32 (each task's (queries, padded keys), Layout's
+// order) where they take at most max_kept_bytes, so that the backward pass reads them instead of
+// computing q k^T and its exponentials again, else empty.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tensor& k,
+                                                         const at::Tensor& v, const at::Tensor& query_spans,
+                                                         const at::Tensor& key_spans, int64_t heads, bool causal,
+                                                         int64_t max_kept_bytes) {
   const Layout layout = check_layout(q, k, v, query_spans, key_spans, heads, causal);
   at::Tensor out = at::empty({q.size(0), q.size(1)}, q.options());
   at::Tensor lse = at::empty({heads, q.size(0)}, q.options().dtype(at::kFloat));
+  const int64_t kept_floats = layout.kept_starts.back();
+  const bool keeps = kept_floats * static_cast<int64_t>(sizeof(float)) <= max_kept_bytes;
+  at::Tensor kept = at::empty({keeps ? kept_floats : 0}, q.options().dtype(at::kFloat));
   out.narrow(0, layout.used_queries, q.size(0) - layout.used_queries).zero_();
   float* lse_data = lse.data_ptr<float>();
+  float* kept_data = keeps ? kept.data_ptr<float>() : nullptr;
   for_each_dtype(q, [&](auto zero) {
     using scalar_t = decltype(zero);
     for_each_task(layout, [&](const Task& t, int64_t h, Scratch& scratch) {
       forward_task(t, q.data_ptr<scalar_t>(), q.stride(0), k.data_ptr<scalar_t>(), k.stride(0),
                    v.data_ptr<scalar_t>(), v.stride(0), out.data_ptr<scalar_t>(), out.stride(0),
-                   lse_data + h * q.size(0) + t.query_row, scratch);
+                   lse_data + h * q.size(0) + t.query_row, keeps ? kept_data + t.kept_at : nullptr, scratch);
     });
   });
-  return {out, lse};
+  return {out, lse, kept};
 }
 
 // The gradients of q, k and v written into grad_q, grad_k, grad_v (which may be column blocks of one
 // tensor): every span's rows, and zeros in the rows after the last span.
 void attention_backward(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                        const at::Tensor& lse, const at::Tensor& query_spans, const at::Tensor& key_spans,
-                        int64_t heads, bool causal, at::Tensor grad_q, at::Tensor grad_k, at::Tensor grad_v) {
+                        const at::Tensor& lse, const at::Tensor& kept, const at::Tensor& query_spans,
+                        const at::Tensor& key_spans, int64_t heads, bool causal, at::Tensor grad_q,
+                        at::Tensor grad_k, at::Tensor grad_v) {
   const Layout layout = check_layout(q, k, v, query_spans, key_spans, heads, causal);
   const int64_t used_keys = layout.used_keys;
   check_matrix(grad_out, q, layout.used_queries, "grad_out");
@@ -401,6 +424,11 @@ void attention_backward(const at::Tensor& grad_out, const at::Tensor& q, const a
   TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.size(0) == heads &&
                   lse.size(1) == q.size(0),
               "lse: the forward pass's (heads, rows) fp32");
+  const bool keeps = kept.numel() > 0;
+  TORCH_CHECK(kept.scalar_type() == at::kFloat && kept.is_contiguous() &&
+                  (!keeps || kept.numel() == layout.kept_starts.back()),
+              "kept: the forward pass's kept probabilities, or empty");
+  const float* kept_data = keeps ? kept.data_ptr<float>() : nullptr;
   grad_q.narrow(0, layout.used_queries, grad_q.size(0) - layout.used_queries).zero_();
   grad_k.narrow(0, used_keys, grad_k.size(0) - used_keys).zero_();
   grad_v.narrow(0, used_keys, grad_v.size(0) - used_keys).zero_();
@@ -410,7 +438,8 @@ void attention_backward(const at::Tensor& grad_out, const at::Tensor& q, const a
     for_each_task(layout, [&](const Task& t, int64_t h, Scratch& scratch) {
       backward_task(t, grad_out.data_ptr<scalar_t>(), grad_out.stride(0), q.data_ptr<scalar_t>(), q.stride(0),
                     k.data_ptr<scalar_t>(), k.stride(0), v.data_ptr<scalar_t>(), v.stride(0),
-                    lse_data + h * q.size(0) + t.query_row, grad_q.data_ptr<scalar_t>(), grad_q.stride(0),
+                    lse_data + h * q.size(0) + t.query_row, keeps ? kept_data + t.kept_at : nullptr,
+                    grad_q.data_ptr<scalar_t>(), grad_q.stride(0),
                     grad_k.data_ptr<scalar_t>(), grad_k.stride(0), grad_v.data_ptr<scalar_t>(), grad_v.stride(0),
                     scratch);
     });
@@ -420,10 +449,11 @@ void attention_backward(const at::Tensor& grad_out, const at::Tensor& q, const a
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(seq2seq_cpu, m) {
-  m.def("attention(Tensor q, Tensor k, Tensor v, Tensor query_spans, Tensor key_spans, int heads, bool causal)"
-        " -> (Tensor, Tensor)");
-  m.def("attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor lse, Tensor query_spans,"
-        " Tensor key_spans, int heads, bool causal, Tensor(a!) grad_q, Tensor(b!) grad_k, Tensor(c!) grad_v) -> ()");
+  m.def("attention(Tensor q, Tensor k, Tensor v, Tensor query_spans, Tensor key_spans, int heads, bool causal,"
+        " int max_kept_bytes) -> (Tensor, Tensor, Tensor)");
+  m.def("attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor lse, Tensor kept,"
+        " Tensor query_spans, Tensor key_spans, int heads, bool causal, Tensor(a!) grad_q, Tensor(b!) grad_k,"
+        " Tensor(c!) grad_v) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(seq2seq_cpu, CPU, m) {

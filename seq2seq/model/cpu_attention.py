@@ -63,22 +63,30 @@ def flat_attention(
     return _FlatAttention.apply(queries, keys_values, query_spans, key_spans, heads, causal)
 
 
+# The most memory one attention's probabilities may take to be kept for its backward pass (fp32, about
+# heads x tokens x sentence length x 4 bytes: 4 MB for the Bible model's 4,000-token batches). Kept,
+# the backward pass reads them instead of computing q k^T and its exponentials again; past this
+# (long sentences, large batches) it recomputes them from the row's log-sum-exp, as flash attention does.
+MAX_KEPT_PROBABILITY_BYTES = 64 << 20
+
+
 class _FlatAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, queries, keys_values, query_spans, key_spans, heads, causal):
         q, k, v = _columns(queries, keys_values)
-        out, lse = cpu_kernels().attention(q, k, v, query_spans, key_spans, heads, causal)
-        ctx.save_for_backward(queries, keys_values, query_spans, key_spans, lse)
+        max_kept = MAX_KEPT_PROBABILITY_BYTES if any(ctx.needs_input_grad) else 0
+        out, lse, kept = cpu_kernels().attention(q, k, v, query_spans, key_spans, heads, causal, max_kept)
+        ctx.save_for_backward(queries, keys_values, query_spans, key_spans, lse, kept)
         ctx.heads, ctx.causal = heads, causal
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        queries, keys_values, query_spans, key_spans, lse = ctx.saved_tensors
+        queries, keys_values, query_spans, key_spans, lse, kept = ctx.saved_tensors
         grad_queries = torch.empty_like(queries)
         grad_keys_values = None if keys_values is None else torch.empty_like(keys_values)
         cpu_kernels().attention_backward(
-            grad_out.contiguous(), *_columns(queries, keys_values), lse, query_spans, key_spans, ctx.heads,
+            grad_out.contiguous(), *_columns(queries, keys_values), lse, kept, query_spans, key_spans, ctx.heads,
             ctx.causal, *_columns(grad_queries, grad_keys_values),
         )  # fmt: skip
         return grad_queries, grad_keys_values, None, None, None, None

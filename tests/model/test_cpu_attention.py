@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from seq2seq.config import ModelConfig
 from seq2seq.data.special_tokens import PAD_ID
-from seq2seq.model import layers
+from seq2seq.model import cpu_attention, layers
 from seq2seq.model.cpu_attention import flat_attention
 from seq2seq.model.cpu_kernels import SWITCH
 from seq2seq.model.execution import Rows
@@ -52,9 +52,12 @@ def _inputs(dtype, causal, head_dim, query_lengths, key_lengths):
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", [16, 20])  # 20: not a multiple of the kernel's 16 lanes
+@pytest.mark.parametrize("kept", [True, False])  # the backward pass reads the probabilities, or recomputes them
 def test_equals_pytorch_attention_of_each_sentence_forward_and_backward(
-    fused_kernels, dtype, tolerance, causal, head_dim
+    fused_kernels, monkeypatch, dtype, tolerance, causal, head_dim, kept
 ):
+    if not kept:
+        monkeypatch.setattr(cpu_attention, "MAX_KEPT_PROBABILITY_BYTES", 0)
     query_lengths = [5, 1, 37, 18]
     key_lengths = query_lengths if causal else [7, 3, 2, 41]
     queries, keys_values = _inputs(dtype, causal, head_dim, query_lengths, key_lengths)
@@ -66,6 +69,7 @@ def test_equals_pytorch_attention_of_each_sentence_forward_and_backward(
     ours = flat_attention(ours_in[0], None if causal else ours_in[1], query_spans, key_spans, HEADS, causal=causal)
     q, k, v = theirs_in[0].chunk(3, 1) if causal else (theirs_in[0], *theirs_in[1].chunk(2, 1))
     theirs = _per_sentence(q, k, v, query_spans, key_spans, causal)
+    assert (ours.grad_fn.saved_tensors[-1].numel() > 0) == kept  # the probabilities kept for backward, or not
     grad = torch.randn(ours.shape).to(dtype)
     (ours * grad).sum().backward()
     (theirs * grad.float()).sum().backward()
