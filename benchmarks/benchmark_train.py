@@ -6,8 +6,8 @@ each in its own process (so peak memory is its own). The reference is what a car
 by hand: nn.Transformer with embeddings, sinusoidal positions, padding and causal masks,
 label-smoothed nn.CrossEntropyLoss, Adam and clipping, in fp32. Tokens/s count real (non-pad)
 target tokens; MFU divides the model's matmul FLOPs per second by the device's matmul rate,
-measured here for each precision (its best over short windows, before and after the sides). Runs on the GPU when there is one (memory is then the GPU
-caching allocator's), else on the CPU (RSS).
+measured here for each precision (its best over short windows, before and after the sides). Runs
+on the GPU when there is one (memory is then the GPU caching allocator's), else on the CPU (RSS).
 
 Batches are built inside the timed loop, as in a real run, epoch after epoch for as many steps as
 asked: with --steps 2000 it is a long run that shows steady state. Every --memory-every steps the
