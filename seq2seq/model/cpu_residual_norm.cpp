@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -87,10 +88,11 @@ void forward_rows(const T* x, const T* y, const T* weight, const T* bias, T* sum
 
 // grad_x = the sum's gradient, rstd (g w - mean(g w) - xhat mean(g w xhat)); grad_y = grad_x dropped
 // and scaled by the forward pass's mask; the weight's and bias's gradients added into partial sums.
+// g is grad, plus more (null: none) where the output's two uses sent a gradient each.
 template <typename T>
-void backward_rows(const T* grad, const T* sum, const float* stats, const T* weight, T* grad_x, T* grad_y,
-                   float* weight_sums, float* bias_sums, int64_t begin, int64_t end, int64_t width, uint64_t seed,
-                   uint32_t dropped_below, float scale) {
+void backward_rows(const T* grad, const T* more, const T* sum, const float* stats, const T* weight, T* grad_x,
+                   T* grad_y, float* weight_sums, float* bias_sums, int64_t begin, int64_t end, int64_t width,
+                   uint64_t seed, uint32_t dropped_below, float scale) {
   RowBits draws;
   std::vector<float> normed(width), scaled(width);
   float* xhat = normed.data();
@@ -101,7 +103,7 @@ void backward_rows(const T* grad, const T* sum, const float* stats, const T* wei
     float mean_gw = 0.0f, mean_gw_xhat = 0.0f;
 #pragma omp simd reduction(+ : mean_gw, mean_gw_xhat)
     for (int64_t c = 0; c < width; ++c) {
-      const float g = load(grad[at + c]);
+      const float g = more ? load(grad[at + c]) + load(more[at + c]) : load(grad[at + c]);
       xhat[c] = (load(sum[at + c]) - mean) * inverse_std;
       gw[c] = g * load(weight[c]);
       mean_gw += gw[c];
@@ -176,13 +178,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dropout_add_norm(const at::Tensor
   return {out, sum, stats};
 }
 
-// (grad_x, grad_y, grad_weight, grad_bias) of dropout_add_norm, from the gradient of its output.
+// (grad_x, grad_y, grad_weight, grad_bias) of dropout_add_norm, from the gradient of its output: grad,
+// plus `more` where given (the gradient of the output's second use, added as it is read, where autograd
+// would first add the two in a pass of its own).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dropout_add_norm_backward(
-    const at::Tensor& grad, const at::Tensor& sum, const at::Tensor& stats, const at::Tensor& weight,
-    const at::Tensor& seed, int64_t dropped_below, double scale) {
+    const at::Tensor& grad, const std::optional<at::Tensor>& more, const at::Tensor& sum, const at::Tensor& stats,
+    const at::Tensor& weight, const at::Tensor& seed, int64_t dropped_below, double scale) {
   TORCH_CHECK(sum.device().is_cpu() && sum.is_contiguous() && sum.dim() >= 1, "sum: a contiguous CPU tensor");
   TORCH_CHECK(sum.scalar_type() == at::kFloat || sum.scalar_type() == at::kBFloat16, "sum: fp32 or bf16");
   check_rows(grad, sum, "grad");
+  if (more.has_value()) check_rows(*more, sum, "more");
   check_vector(weight, sum, "weight");
   const Draw draw = check_draw(seed, dropped_below, scale);
   const int64_t width = sum.size(-1), rows = sum.numel() / width, tasks = (rows + kRowsPerTask - 1) / kRowsPerTask;
@@ -197,13 +202,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dropout_add_norm_back
       float* sums = partial.data() + task * 2 * width;
       if (sum.scalar_type() == at::kBFloat16) {
         using T = c10::BFloat16;
-        backward_rows(grad.data_ptr<T>(), sum.data_ptr<T>(), stats.data_ptr<float>(), weight.data_ptr<T>(),
-                      grad_x.data_ptr<T>(), grad_y.data_ptr<T>(), sums, sums + width, begin, end, width, draw.seed,
-                      draw.dropped_below, draw.scale);
-      } else {
-        backward_rows(grad.data_ptr<float>(), sum.data_ptr<float>(), stats.data_ptr<float>(),
-                      weight.data_ptr<float>(), grad_x.data_ptr<float>(), grad_y.data_ptr<float>(), sums,
+        backward_rows(grad.data_ptr<T>(), more.has_value() ? more->data_ptr<T>() : nullptr, sum.data_ptr<T>(),
+                      stats.data_ptr<float>(), weight.data_ptr<T>(), grad_x.data_ptr<T>(), grad_y.data_ptr<T>(), sums,
                       sums + width, begin, end, width, draw.seed, draw.dropped_below, draw.scale);
+      } else {
+        backward_rows(grad.data_ptr<float>(), more.has_value() ? more->data_ptr<float>() : nullptr,
+                      sum.data_ptr<float>(), stats.data_ptr<float>(), weight.data_ptr<float>(),
+                      grad_x.data_ptr<float>(), grad_y.data_ptr<float>(), sums, sums + width, begin, end, width,
+                      draw.seed, draw.dropped_below, draw.scale);
       }
     }
   });
@@ -220,7 +226,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dropout_add_norm_back
 TORCH_LIBRARY_FRAGMENT(seq2seq_cpu, m) {
   m.def("dropout_add_norm(Tensor x, Tensor y, Tensor seed, int dropped_below, float scale, Tensor weight,"
         " Tensor bias, float eps) -> (Tensor, Tensor, Tensor)");
-  m.def("dropout_add_norm_backward(Tensor grad, Tensor sum, Tensor stats, Tensor weight, Tensor seed,"
+  m.def("dropout_add_norm_backward(Tensor grad, Tensor? more, Tensor sum, Tensor stats, Tensor weight, Tensor seed,"
         " int dropped_below, float scale) -> (Tensor, Tensor, Tensor, Tensor)");
 }
 

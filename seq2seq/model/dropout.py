@@ -50,10 +50,21 @@ def dropout_add(residual: Tensor, x: Tensor, p: float, *, training: bool) -> Ten
 def dropout_add_norm(residual: Tensor, x: Tensor, norm: nn.LayerNorm, p: float, *, training: bool) -> Tensor:
     """norm(residual + dropout(x, p)), post-norm's residual connection: in one pass each way on a CPU
     where the fused kernels are built (cpu_residual_norm.cpp), with dropout_add's mask."""
+    return dropout_add_norm_for_two(residual, x, norm, p, training=training)[0]
+
+
+def dropout_add_norm_for_two(
+    residual: Tensor, x: Tensor, norm: nn.LayerNorm, p: float, *, training: bool
+) -> tuple[Tensor, Tensor]:
+    """dropout_add_norm's output twice, for its two uses in the next block (its residual and its
+    sublayer's input). Fused, they are two views of one tensor, whose gradients reach the backward
+    kernel apart and are added as it reads them: used as one tensor, autograd would add them first, a
+    pass over the rows of its own."""
     alike = residual.shape == x.shape and residual.dtype == x.dtype == norm.weight.dtype
     if training and p > 0.0 and round(p * _LEVELS) < _LEVELS and alike and _fused(x) and _fused(residual):
         return _FusedDropoutAddNorm.apply(residual, x, norm.weight, norm.bias, p, norm.eps)
-    return norm(dropout_add(residual, x, p, training=training))
+    out = norm(dropout_add(residual, x, p, training=training))
+    return out, out
 
 
 def _fused(x: Tensor) -> bool:
@@ -150,11 +161,15 @@ class _FusedDropout(torch.autograd.Function):
 
 
 class _FusedDropoutAddNorm(torch.autograd.Function):
-    """LayerNorm(residual + dropout(x)) through cpu_residual_norm.cpp; keeps the sum (which the
-    PyTorch path keeps too, as LayerNorm's input) and each row's mean and 1 / std."""
+    """LayerNorm(residual + dropout(x)) through cpu_residual_norm.cpp, returned as two views of one
+    tensor (dropout_add_norm_for_two); keeps the sum (which the PyTorch path keeps too, as LayerNorm's
+    input) and each row's mean and 1 / std."""
 
     @staticmethod
-    def forward(ctx, residual: Tensor, x: Tensor, weight: Tensor, bias: Tensor, p: float, eps: float) -> Tensor:
+    def forward(
+        ctx, residual: Tensor, x: Tensor, weight: Tensor, bias: Tensor, p: float, eps: float
+    ) -> tuple[Tensor, Tensor]:
+        ctx.set_materialize_grads(False)  # an unused view's gradient stays None, not a tensor of zeros
         ctx.key = torch.empty((), dtype=torch.int64).random_(-(2**63), None)  # from the seeded generator
         ctx.dropped_below, ctx.scale = round(p * _LEVELS), _scale(p)
         out, total, stats = cpu_kernels().dropout_add_norm(
@@ -162,12 +177,17 @@ class _FusedDropoutAddNorm(torch.autograd.Function):
             bias.contiguous(), eps,
         )  # fmt: skip
         ctx.save_for_backward(total, stats, weight)
-        return out
+        return out, out.view_as(out)
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
+    def backward(ctx, grad: Tensor | None, more: Tensor | None) -> tuple[Tensor | None, ...]:
+        if grad is None:
+            grad, more = more, None
+        if grad is None:
+            return None, None, None, None, None, None
         total, stats, weight = ctx.saved_tensors
         grad_residual, grad_x, grad_weight, grad_bias = cpu_kernels().dropout_add_norm_backward(
-            grad.contiguous(), total, stats, weight.contiguous(), ctx.key, ctx.dropped_below, ctx.scale
-        )
+            grad.contiguous(), None if more is None else more.contiguous(), total, stats, weight.contiguous(),
+            ctx.key, ctx.dropped_below, ctx.scale,
+        )  # fmt: skip
         return grad_residual, grad_x, grad_weight, grad_bias, None, None

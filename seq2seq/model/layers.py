@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from seq2seq.config import ModelConfig
 from seq2seq.model.cpu_attention import FlatKeysValues, column_blocks, flat_attention, flat_attention_applies
 from seq2seq.model.cpu_linear import Linear, linear
-from seq2seq.model.dropout import Dropout, dropout_add, dropout_add_norm
+from seq2seq.model.dropout import Dropout, dropout_add, dropout_add_norm_for_two
 from seq2seq.model.execution import LayerCache, Memory, Rows, attention, attention_dtype, probabilities, split_heads
 
 
@@ -135,10 +135,17 @@ class Residual(nn.Module):
         self.pre_norm = pre_norm
 
     def forward(self, x: Tensor, sublayer) -> Tensor:
+        return self.for_two(x, x, sublayer)[0]
+
+    def for_two(self, x: Tensor, sublayer_input: Tensor, sublayer) -> tuple[Tensor, Tensor]:
+        """forward's output twice, for the next block's residual and its sublayer's input, given this
+        block's own two (the same values): post-norm's fused kernel then adds the two uses' gradients
+        as it reads them (dropout.dropout_add_norm_for_two)."""
         p, training = self.dropout.p, self.training  # dropout_add(x, y) is x + dropout(y), fused where it can be
         if self.pre_norm:
-            return dropout_add(x, sublayer(self.norm(x)), p, training=training)
-        return dropout_add_norm(x, sublayer(x), self.norm, p, training=training)
+            out = dropout_add(x, sublayer(self.norm(x)), p, training=training)
+            return out, out
+        return dropout_add_norm_for_two(x, sublayer(sublayer_input), self.norm, p, training=training)
 
 
 def _attention(config: ModelConfig) -> MultiHeadAttention:
@@ -164,8 +171,8 @@ class EncoderLayer(nn.Module):
     def forward(self, x: Tensor, rows: Rows, src_mask: Tensor) -> Tensor:
         """x (rows.padded, d), flat (B, S) positions; src_mask (B, 1, 1, S), True on real tokens."""
 
-        x = self.self_attn_block(x, lambda h: self.self_attn.self_attend(h, rows, mask=src_mask))
-        return self.ffn_block(x, self.ffn)
+        x, h = self.self_attn_block.for_two(x, x, lambda h: self.self_attn.self_attend(h, rows, mask=src_mask))
+        return self.ffn_block.for_two(x, h, self.ffn)[0]
 
 
 class DecoderLayer(nn.Module):
@@ -193,9 +200,9 @@ class DecoderLayer(nn.Module):
         With a cache, earlier positions come from it. The cache may be any object with LayerCache's
         self-attention fields and `extend`: graphed_decoder.StaticLayerCache keeps them in fixed buffers.
         """
-        x = self.self_attn_block(x, lambda h: self._self_attention(h, rows, cache))
-        x = self.cross_attn_block(x, lambda h: self._cross_attention(h, rows, memory_kv, src_mask))
-        return self.ffn_block(x, self.ffn)
+        x, h = self.self_attn_block.for_two(x, x, lambda h: self._self_attention(h, rows, cache))
+        x, h = self.cross_attn_block.for_two(x, h, lambda h: self._cross_attention(h, rows, memory_kv, src_mask))
+        return self.ffn_block.for_two(x, h, self.ffn)[0]
 
     def cross_attention_weights(self, x: Tensor, rows: Rows, memory_k: Tensor, src_mask: Tensor) -> Tensor:
         """Cross-attention probabilities (B, h, T, S) of this layer, given its input x (rows.padded, d)

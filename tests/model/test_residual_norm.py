@@ -1,6 +1,7 @@
 """Post-norm's residual connection fused (dropout.dropout_add_norm, cpu_residual_norm.cpp): equal to
 LayerNorm over dropout_add with the same mask, forward and backward (the gradients of both inputs,
-the weight and the bias), in fp32 and bf16, and the same bits for any thread count."""
+the weight and the bias), in fp32 and bf16, its output used once or (dropout_add_norm_for_two) as two
+tensors whose gradients the kernel adds, and the same bits for any thread count."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from seq2seq.model.dropout import dropout_add, dropout_add_norm
+from seq2seq.model.dropout import dropout_add, dropout_add_norm, dropout_add_norm_for_two
 
 ROWS, WIDTH = 203, 48  # rows not a multiple of the kernel's 32 per task, nor the width of 4 draws
 
@@ -23,22 +24,30 @@ def _inputs(dtype):
     return norm, residual, x
 
 
-def _run(fused: bool, dtype):
-    """Output and gradients of norm(residual + dropout(x)) on fixed inputs, the mask from seed 7."""
+def _run(fused: bool, dtype, uses: int = 1):
+    """Output and gradients of norm(residual + dropout(x)) on fixed inputs, the mask from seed 7. With
+    two uses, the fused path's output comes twice (dropout_add_norm_for_two), each use with a gradient
+    of its own; the unfused output gets their sum."""
     norm, residual, x = _inputs(dtype)
     torch.manual_seed(7)
-    if fused:
-        out = dropout_add_norm(residual, x, norm, 0.3, training=True)
+    grads = [torch.randn(ROWS, WIDTH, generator=torch.Generator().manual_seed(seed)).to(dtype) for seed in (3, 4)]
+    if fused and uses == 2:
+        outs = dropout_add_norm_for_two(residual, x, norm, 0.3, training=True)
+        torch.autograd.backward(outs, grads)
+        out = outs[0]
     else:
-        out = norm(dropout_add(residual, x, 0.3, training=True))
-    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(dtype)
-    out.backward(grad)
+        if fused:
+            out = dropout_add_norm(residual, x, norm, 0.3, training=True)
+        else:
+            out = norm(dropout_add(residual, x, 0.3, training=True))
+        out.backward(grads[0] if uses == 1 else grads[0] + grads[1])
     return [out, residual.grad, x.grad, norm.weight.grad, norm.bias.grad]
 
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
-def test_equals_layer_norm_over_dropout_add_forward_and_backward(fused_kernels, dtype, tolerance):
-    ours, theirs = _run(True, dtype), _run(False, dtype)
+@pytest.mark.parametrize("uses", [1, 2])
+def test_equals_layer_norm_over_dropout_add_forward_and_backward(fused_kernels, dtype, tolerance, uses):
+    ours, theirs = _run(True, dtype, uses), _run(False, dtype, uses)
     assert (ours[2] == 0).float().mean().item() == pytest.approx(0.3, abs=0.03)  # x's gradient carries the mask
     for name, mine, reference in zip(["out", "residual", "x", "weight", "bias"], ours, theirs):
         assert mine.dtype == dtype, name
