@@ -14,7 +14,7 @@ the residual connection's addition, `dropout_add`) are one pass over memory, whe
 or five: the bits come from a counter-based generator keyed by one draw from PyTorch's generator per
 call, so the backward pass draws the same mask again from the key instead of keeping it. The masks
 differ from those of the PyTorch path; each path is reproducible from the seed. A post-norm layer's
-LayerNorm after the residual addition joins that pass too (`dropout_add_norm`).
+LayerNorm after the residual addition joins that pass too (`dropout_add_norm_for_two`).
 """
 
 from __future__ import annotations
@@ -47,19 +47,14 @@ def dropout_add(residual: Tensor, x: Tensor, p: float, *, training: bool) -> Ten
     return residual + dropout(x, p, training=training)
 
 
-def dropout_add_norm(residual: Tensor, x: Tensor, norm: nn.LayerNorm, p: float, *, training: bool) -> Tensor:
-    """norm(residual + dropout(x, p)), post-norm's residual connection: in one pass each way on a CPU
-    where the fused kernels are built (cpu_residual_norm.cpp), with dropout_add's mask."""
-    return dropout_add_norm_for_two(residual, x, norm, p, training=training)[0]
-
-
 def dropout_add_norm_for_two(
     residual: Tensor, x: Tensor, norm: nn.LayerNorm, p: float, *, training: bool
 ) -> tuple[Tensor, Tensor]:
-    """dropout_add_norm's output twice, for its two uses in the next block (its residual and its
-    sublayer's input). Fused, they are two views of one tensor, whose gradients reach the backward
-    kernel apart and are added as it reads them: used as one tensor, autograd would add them first, a
-    pass over the rows of its own."""
+    """norm(residual + dropout(x, p)), post-norm's residual connection, twice: for its two uses in the
+    next block (its residual and its sublayer's input). In one pass each way on a CPU where the fused
+    kernels are built (cpu_residual_norm.cpp), with dropout_add's mask; there the two are views of one
+    tensor, whose gradients reach the backward kernel apart and are added as it reads them: used as
+    one tensor, autograd would add them first, a pass over the rows of its own."""
     alike = residual.shape == x.shape and residual.dtype == x.dtype == norm.weight.dtype
     if training and p > 0.0 and round(p * _LEVELS) < _LEVELS and alike and _fused(x) and _fused(residual):
         return _FusedDropoutAddNorm.apply(residual, x, norm.weight, norm.bias, p, norm.eps)

@@ -1,6 +1,6 @@
-"""Post-norm's residual connection fused (dropout.dropout_add_norm, cpu_residual_norm.cpp): equal to
+"""Post-norm's residual connection fused (dropout.dropout_add_norm_for_two, cpu_residual_norm.cpp): equal to
 LayerNorm over dropout_add with the same mask, forward and backward (the gradients of both inputs,
-the weight and the bias), in fp32 and bf16, its output used once or (dropout_add_norm_for_two) as two
+the weight and the bias), in fp32 and bf16, its output used once or as two
 tensors whose gradients the kernel adds, and the same bits for any thread count."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from seq2seq.model.dropout import dropout_add, dropout_add_norm, dropout_add_norm_for_two
+from seq2seq.model.dropout import dropout_add, dropout_add_norm_for_two
 
 ROWS, WIDTH = 203, 48  # rows not a multiple of the kernel's 32 per task, nor the width of 4 draws
 
@@ -37,7 +37,7 @@ def _run(fused: bool, dtype, uses: int = 1):
         out = outs[0]
     else:
         if fused:
-            out = dropout_add_norm(residual, x, norm, 0.3, training=True)
+            out = dropout_add_norm_for_two(residual, x, norm, 0.3, training=True)[0]
         else:
             out = norm(dropout_add(residual, x, 0.3, training=True))
         out.backward(grads[0] if uses == 1 else grads[0] + grads[1])
@@ -71,5 +71,5 @@ def test_any_thread_count_gives_the_same_bits(fused_kernels):
 
 def test_outside_training_it_is_layer_norm_of_the_sum(cpu_path):
     norm, residual, x = _inputs(torch.float32)
-    out = dropout_add_norm(residual, x, norm, 0.3, training=False)
+    out = dropout_add_norm_for_two(residual, x, norm, 0.3, training=False)[0]
     torch.testing.assert_close(out, norm(residual + x))
