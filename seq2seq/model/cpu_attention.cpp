@@ -5,7 +5,8 @@
 // span in k and v; q, k, v, the output and the gradients are (rows, heads x head_dim) matrices whose
 // rows may be strided (column blocks of one projection). Each (sentence, head) pair is one task: its
 // queries, keys, values, scores and probabilities (a few KB for a sentence of 40 tokens) stay in the
-// core's cache through every step of its work, computed in fp32 whatever the dtype it reads and writes.
+// core's cache through every step of its work, computed in fp32 whatever the dtype it reads and writes
+// (bf16 on AMX: its products take bf16 operands on the tiles and sum in fp32; see SEQ2SEQ_TILES).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -20,7 +21,17 @@
 #include <cstdint>
 #include <limits>
 #include <tuple>
+#include <type_traits>
 #include <vector>
+
+// AMX's tile instructions (Intel Xeon from Sapphire Rapids): a bf16 product of 16 x 32 by 32 x 16 in one
+// instruction. Where the kernels are built for them, bf16 attention computes its six products on them.
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define SEQ2SEQ_TILES 1
+#endif
 
 // Its loops run over a head's columns or a sentence's keys, a few vectors each: on AVX-512 they keep
 // 256-bit vectors, which measured faster here than the 512 the other kernels ask for (cpu_kernels.py).
@@ -184,6 +195,9 @@ class Scratch {
     TORCH_INTERNAL_ASSERT(used_ <= static_cast<int64_t>(floats_.size()));
     return out;
   }
+  // count bf16 values (their bits), in the floats of count / 2 rounded up.
+  uint16_t* take_bf16(int64_t count) { return reinterpret_cast<uint16_t*>(take(halves(count))); }
+  static int64_t halves(int64_t count) { return (count + 1) / 2; }
 
  private:
   std::vector<float> floats_;
@@ -225,11 +239,284 @@ void probabilities_from_lse(const Task& t, float* scores, const float* lse) {
   }
 }
 
+// dS = scale P (dP - D) in place of dP (grad_scores), D_i = sum_j P_ij dP_ij; zero past the visible keys.
+void gradients_of_scores(const Task& t, const float* probs, float* grad_scores) {
+  for (int64_t i = 0; i < t.queries; ++i) {
+    const float* p = probs + i * t.padded_keys;
+    float* g = grad_scores + i * t.padded_keys;
+    const int64_t visible = t.visible(i);
+    float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t j = 0; j < visible; ++j) total += p[j] * g[j];
+#pragma omp simd
+    for (int64_t j = 0; j < visible; ++j) g[j] = t.scale * p[j] * (g[j] - total);
+    for (int64_t j = visible; j < t.keys; ++j) g[j] = 0.0f;
+  }
+}
+
+#if defined(SEQ2SEQ_TILES)
+// Tile products: bf16 operands in, fp32 sums out, for a task whose inputs are bf16 already (fp32 ones
+// keep the fp32 products above, which round nothing). q, k, v and the output gradient enter the tiles
+// as they are; the probabilities and their gradients are rounded to bf16 on the way in, as a bf16
+// flash attention rounds them. AVX-512 comes with AMX, so the padded rows and columns are 16 floats.
+static_assert(kLanes == 16, "a tile row holds 16 floats");
+constexpr int64_t kTileRows = 16, kTileDepth = 32;  // C tiles 16 x 16 fp32, A tiles 16 x 32 bf16
+
+inline int64_t round_to(int64_t n, int64_t multiple) { return (n + multiple - 1) / multiple * multiple; }
+
+// Linux lends a process AMX's tile registers only once it asks (the state is large to save on a switch).
+bool tiles_permitted() {
+  static const bool permitted = [] {
+    constexpr int kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  }();
+  return permitted;
+}
+
+// A task of fewer than 16 queries or keys fills a tile's 16 rows and 32-deep sums mostly with zeros:
+// the fp32 products, on blocks of 6 rows, were faster for it (sentences of 8 tokens) or as fast (12).
+bool tiles_worth_it(const Task& t) { return t.queries >= kTileRows && t.keys >= kTileRows && tiles_permitted(); }
+
+// Tiles 0 and 1: sums (16 rows x 16 floats); 2: A's rows (16 x 32 bf16); 3 and 4: B's pairs of rows
+// (16 x 16 pairs). A task loads the configuration when it starts (a product of PyTorch's on the same
+// thread may have loaded its own) and releases the tiles when it ends.
+class TileSession {
+ public:
+  TileSession() {
+    alignas(64) uint8_t config[64] = {};
+    config[0] = 1;  // palette 1
+    for (int tile = 0; tile < 5; ++tile) {
+      config[16 + 2 * tile] = 64;  // bytes per row
+      config[48 + tile] = kTileRows;
+    }
+    _tile_loadconfig(config);
+  }
+  ~TileSession() { _tile_release(); }
+};
+
+inline uint16_t bf16_bits(c10::BFloat16 value) { return value.x; }
+inline uint16_t bf16_bits(float value) {
+  c10::BFloat16 rounded;
+  store(&rounded, value);
+  return rounded.x;
+}
+
+// A (rows_pad x cols_pad bf16, row-major) from rows x cols of src (row stride `stride`), zero elsewhere:
+// padding multiplies as zero.
+template <typename T>
+void pack_a(const T* src, int64_t stride, int64_t rows, int64_t cols, int64_t rows_pad, int64_t cols_pad,
+            uint16_t* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    uint16_t* row = out + r * cols_pad;
+#pragma omp simd
+    for (int64_t c = 0; c < cols; ++c) row[c] = bf16_bits(src[r * stride + c]);
+    std::fill(row + cols, row + cols_pad, uint16_t{0});
+  }
+  std::fill(out + rows * cols_pad, out + rows_pad * cols_pad, uint16_t{0});
+}
+
+// A as pack_a makes it, from the transpose of src: A[r][c] = src[c * stride + r].
+void pack_a_transposed(const float* src, int64_t stride, int64_t rows, int64_t cols, int64_t rows_pad,
+                       int64_t cols_pad, uint16_t* out) {
+  std::fill(out, out + rows_pad * cols_pad, uint16_t{0});
+  for (int64_t c = 0; c < cols; ++c)
+    for (int64_t r = 0; r < rows; ++r) out[r * cols_pad + c] = bf16_bits(src[c * stride + r]);
+}
+
+// B (depth x cols) in the tiles' layout: depth_pad / 2 rows of cols_pad pairs (B[2i][n], B[2i + 1][n]),
+// each pair one 32-bit word, B's rows those of src (row stride `stride`), zero past depth and cols.
+void pack_b(const c10::BFloat16* src, int64_t stride, int64_t depth, int64_t cols, int64_t depth_pad, int64_t cols_pad,
+            uint16_t* out) {
+  uint32_t* pairs = reinterpret_cast<uint32_t*>(out);
+  for (int64_t i = 0; i < depth_pad / 2; ++i) {
+    uint32_t* row = pairs + i * cols_pad;
+    const c10::BFloat16* even = src + 2 * i * stride;
+    const c10::BFloat16* odd = even + stride;
+    if (2 * i + 1 < depth) {
+#pragma omp simd
+      for (int64_t n = 0; n < cols; ++n) row[n] = even[n].x | static_cast<uint32_t>(odd[n].x) << 16;
+    } else if (2 * i < depth) {
+#pragma omp simd
+      for (int64_t n = 0; n < cols; ++n) row[n] = even[n].x;
+    } else {
+      std::fill(row, row + cols, 0u);
+    }
+    std::fill(row + cols, row + cols_pad, 0u);
+  }
+}
+
+// B as pack_b makes it, from the transpose of src: B[d][n] = src[n * stride + d] (each of src's rows
+// gives B a column, its pairs of elements read as they lie).
+void pack_b_transposed(const c10::BFloat16* src, int64_t stride, int64_t depth, int64_t cols, int64_t depth_pad,
+                       int64_t cols_pad, uint16_t* out) {
+  uint32_t* pairs = reinterpret_cast<uint32_t*>(out);
+  std::fill(pairs, pairs + depth_pad / 2 * cols_pad, 0u);
+  for (int64_t n = 0; n < cols; ++n) {
+    const c10::BFloat16* column = src + n * stride;
+    for (int64_t i = 0; i < depth / 2; ++i)
+      pairs[i * cols_pad + n] = column[2 * i].x | static_cast<uint32_t>(column[2 * i + 1].x) << 16;
+    if (depth % 2) pairs[depth / 2 * cols_pad + n] = column[depth - 1].x;
+  }
+}
+
+template <int Tile>
+void store_tile(float* base, int64_t ldc) {
+  static_assert(Tile == 0 || Tile == 1);  // the intrinsic names its tile by a literal
+  if constexpr (Tile == 0) _tile_stored(0, base, ldc * sizeof(float));
+  else _tile_stored(1, base, ldc * sizeof(float));
+}
+
+// The 16 x 16 sums of tile `Tile` into rows [0, rows) of c (rows < 16: through a buffer, so that
+// nothing past them is written: c may be the kept probabilities, whose next rows are another task's).
+template <int Tile>
+void store_sums(float* c, int64_t ldc, int64_t rows) {
+  if (rows >= kTileRows) {
+    store_tile<Tile>(c, ldc);
+    return;
+  }
+  alignas(64) float block[kTileRows * kTileRows];
+  store_tile<Tile>(block, kTileRows);
+  for (int64_t r = 0; r < rows; ++r) std::copy(block + r * kTileRows, block + (r + 1) * kTileRows, c + r * ldc);
+}
+
+// C (rows x cols fp32, row stride ldc) = A B: A packed by pack_a (round_to(rows, 16) x depth, depth a
+// multiple of 32), B by pack_b (depth x cols, cols a multiple of 16). Two 16-column blocks at a time,
+// A's tile loaded once for both. `causal` leaves out what product() does, by whole tiles.
+void tile_product(int64_t rows, int64_t cols, int64_t depth, const uint16_t* a, const uint16_t* b, float* c,
+                  int64_t ldc, Causal causal = Causal::kAll) {
+  const int64_t a_bytes = depth * 2, b_bytes = cols * 4;  // row strides
+  for (int64_t i = 0; i < rows; i += kTileRows) {
+    const int64_t reach = i + kTileRows;
+    int64_t last_col = cols, first = 0, last = depth;
+    if (causal == Causal::kColumnsToRow) last_col = std::min(cols, reach);
+    if (causal == Causal::kDepthToRow) last = std::min(depth, round_to(reach, kTileDepth));
+    if (causal == Causal::kDepthFromRow) first = std::min(depth, i / kTileDepth * kTileDepth);
+    const uint16_t* a_rows = a + i * depth;
+    int64_t j = 0;
+    for (; j + 2 * kLanes <= last_col; j += 2 * kLanes) {
+      _tile_zero(0);
+      _tile_zero(1);
+      for (int64_t k = first; k < last; k += kTileDepth) {
+        _tile_loadd(2, a_rows + k, a_bytes);
+        _tile_loadd(3, b + k * cols + 2 * j, b_bytes);
+        _tile_loadd(4, b + k * cols + 2 * (j + kLanes), b_bytes);
+        _tile_dpbf16ps(0, 2, 3);
+        _tile_dpbf16ps(1, 2, 4);
+      }
+      store_sums<0>(c + i * ldc + j, ldc, rows - i);
+      store_sums<1>(c + i * ldc + j + kLanes, ldc, rows - i);
+    }
+    if (j < last_col) {
+      _tile_zero(0);
+      for (int64_t k = first; k < last; k += kTileDepth) {
+        _tile_loadd(2, a_rows + k, a_bytes);
+        _tile_loadd(3, b + k * cols + 2 * j, b_bytes);
+        _tile_dpbf16ps(0, 2, 3);
+      }
+      store_sums<0>(c + i * ldc + j, ldc, rows - i);
+    }
+  }
+}
+
+// forward_task on tiles: scores = q k^T, probabilities in place, output = P v.
+void forward_task_tiles(const Task& t, const c10::BFloat16* q, int64_t q_stride, const c10::BFloat16* k,
+                        int64_t k_stride, const c10::BFloat16* v, int64_t v_stride, c10::BFloat16* out,
+                        int64_t out_stride, float* lse, float* kept, Scratch& scratch) {
+  const int64_t dim = t.padded_dim, keys = t.padded_keys, queries = t.queries;
+  const int64_t rows = round_to(queries, kTileRows), dim_depth = round_to(t.head_dim, kTileDepth);
+  const int64_t key_depth = round_to(t.keys, kTileDepth);
+  const int64_t bf16s = rows * dim_depth + dim_depth * keys + rows * key_depth + key_depth * dim;
+  scratch.start(Scratch::halves(bf16s) + (kept ? 0 : queries * keys) + queries * dim);
+  uint16_t* query = scratch.take_bf16(rows * dim_depth);
+  uint16_t* keys_t = scratch.take_bf16(dim_depth * keys);
+  uint16_t* probs = scratch.take_bf16(rows * key_depth);
+  uint16_t* value = scratch.take_bf16(key_depth * dim);
+  float* scores = kept ? kept : scratch.take(queries * keys);
+  float* output = scratch.take(queries * dim);
+  pack_a(q + t.query_row * q_stride + t.column, q_stride, queries, t.head_dim, rows, dim_depth, query);
+  pack_b_transposed(k + t.key_row * k_stride + t.column, k_stride, t.head_dim, t.keys, dim_depth, keys, keys_t);
+  pack_b(v + t.key_row * v_stride + t.column, v_stride, t.keys, t.head_dim, key_depth, dim, value);
+  TileSession tiles;
+  tile_product(queries, keys, dim_depth, query, keys_t, scores, keys, t.causal ? Causal::kColumnsToRow : Causal::kAll);
+  softmax_rows(t, scores, lse);
+  pack_a(scores, keys, queries, t.keys, rows, key_depth, probs);
+  tile_product(queries, dim, key_depth, probs, value, output, dim, t.causal ? Causal::kDepthToRow : Causal::kAll);
+  write_rows(output, dim, queries, t.head_dim, out + t.query_row * out_stride + t.column, out_stride);
+}
+
+// backward_task on tiles: dP = dO v^T, dv = P^T dO, dk = dS^T q, dq = dS k (and P = softmax(q k^T)
+// again where it was not kept).
+void backward_task_tiles(const Task& t, const c10::BFloat16* grad_out, int64_t g_stride, const c10::BFloat16* q,
+                         int64_t q_stride, const c10::BFloat16* k, int64_t k_stride, const c10::BFloat16* v,
+                         int64_t v_stride, const float* lse, const float* kept, c10::BFloat16* grad_q,
+                         int64_t gq_stride, c10::BFloat16* grad_k, int64_t gk_stride, c10::BFloat16* grad_v,
+                         int64_t gv_stride, Scratch& scratch) {
+  const int64_t dim = t.padded_dim, keys = t.padded_keys, queries = t.queries;
+  const int64_t rows = round_to(queries, kTileRows), dim_depth = round_to(t.head_dim, kTileDepth);
+  const int64_t key_depth = round_to(t.keys, kTileDepth), query_depth = round_to(queries, kTileDepth);
+  const int64_t a_size = std::max({rows * dim_depth, keys * query_depth, rows * key_depth});
+  const int64_t bf16s = a_size + dim_depth * keys + 3 * std::max(query_depth, key_depth) * dim;
+  scratch.start(Scratch::halves(bf16s) + (kept ? 1 : 2) * queries * keys + std::max(keys, queries) * dim);
+  uint16_t* a = scratch.take_bf16(a_size);  // each product's A in turn
+  uint16_t* transposed = scratch.take_bf16(dim_depth * keys);  // v^T, or k^T to recompute P
+  uint16_t* grad_output = scratch.take_bf16(query_depth * dim);
+  uint16_t* query = scratch.take_bf16(query_depth * dim);
+  uint16_t* key = scratch.take_bf16(key_depth * dim);
+  float* recomputed = kept ? nullptr : scratch.take(queries * keys);
+  const float* probs = kept ? kept : recomputed;
+  float* grad_scores = scratch.take(queries * keys);
+  float* result = scratch.take(std::max(keys, queries) * dim);
+  const c10::BFloat16* q_rows = q + t.query_row * q_stride + t.column;
+  const c10::BFloat16* k_rows = k + t.key_row * k_stride + t.column;
+  const c10::BFloat16* g_rows = grad_out + t.query_row * g_stride + t.column;
+  pack_b(g_rows, g_stride, queries, t.head_dim, query_depth, dim, grad_output);
+  pack_b(q_rows, q_stride, queries, t.head_dim, query_depth, dim, query);
+  pack_b(k_rows, k_stride, t.keys, t.head_dim, key_depth, dim, key);
+  const Causal columns = t.causal ? Causal::kColumnsToRow : Causal::kAll;
+  const Causal from_row = t.causal ? Causal::kDepthFromRow : Causal::kAll;
+  TileSession tiles;
+  if (!kept) {
+    pack_a(q_rows, q_stride, queries, t.head_dim, rows, dim_depth, a);
+    pack_b_transposed(k_rows, k_stride, t.head_dim, t.keys, dim_depth, keys, transposed);
+    tile_product(queries, keys, dim_depth, a, transposed, recomputed, keys, columns);
+    probabilities_from_lse(t, recomputed, lse);
+  }
+  pack_a(g_rows, g_stride, queries, t.head_dim, rows, dim_depth, a);
+  pack_b_transposed(v + t.key_row * v_stride + t.column, v_stride, t.head_dim, t.keys, dim_depth, keys, transposed);
+  tile_product(queries, keys, dim_depth, a, transposed, grad_scores, keys, columns);
+  gradients_of_scores(t, probs, grad_scores);
+  pack_a_transposed(probs, keys, t.keys, queries, keys, query_depth, a);
+  tile_product(t.keys, dim, query_depth, a, grad_output, result, dim, from_row);
+  write_rows(result, dim, t.keys, t.head_dim, grad_v + t.key_row * gv_stride + t.column, gv_stride);
+  pack_a_transposed(grad_scores, keys, t.keys, queries, keys, query_depth, a);
+  tile_product(t.keys, dim, query_depth, a, query, result, dim, from_row);
+  write_rows(result, dim, t.keys, t.head_dim, grad_k + t.key_row * gk_stride + t.column, gk_stride);
+  pack_a(grad_scores, keys, queries, t.keys, rows, key_depth, a);
+  tile_product(queries, dim, key_depth, a, key, result, dim, t.causal ? Causal::kDepthToRow : Causal::kAll);
+  write_rows(result, dim, queries, t.head_dim, grad_q + t.query_row * gq_stride + t.column, gq_stride);
+}
+#endif
+
+// Whether bf16 attention takes the tile products on this machine.
+bool attention_tiles() {
+#if defined(SEQ2SEQ_TILES)
+  return tiles_permitted();
+#else
+  return false;
+#endif
+}
+
 // kept: where this task's probabilities are kept for the backward pass (the scores are computed there
 // and turned into them in place), or null: in the thread's scratch, and dropped.
 template <typename T>
 void forward_task(const Task& t, const T* q, int64_t q_stride, const T* k, int64_t k_stride, const T* v,
                   int64_t v_stride, T* out, int64_t out_stride, float* lse, float* kept, Scratch& scratch) {
+#if defined(SEQ2SEQ_TILES)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (tiles_worth_it(t))
+      return forward_task_tiles(t, q, q_stride, k, k_stride, v, v_stride, out, out_stride, lse, kept, scratch);
+  }
+#endif
   const int64_t dim = t.padded_dim, keys = t.padded_keys, queries = t.queries;
   scratch.start(2 * queries * dim + 3 * dim * keys + (kept ? 0 : queries * keys));
   float* query = scratch.take(queries * dim);
@@ -257,6 +544,13 @@ template <typename T>
 void backward_task(const Task& t, const T* grad_out, int64_t g_stride, const T* q, int64_t q_stride, const T* k,
                    int64_t k_stride, const T* v, int64_t v_stride, const float* lse, const float* kept, T* grad_q,
                    int64_t gq_stride, T* grad_k, int64_t gk_stride, T* grad_v, int64_t gv_stride, Scratch& scratch) {
+#if defined(SEQ2SEQ_TILES)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (tiles_worth_it(t))
+      return backward_task_tiles(t, grad_out, g_stride, q, q_stride, k, k_stride, v, v_stride, lse, kept, grad_q,
+                                 gq_stride, grad_k, gk_stride, grad_v, gv_stride, scratch);
+  }
+#endif
   const int64_t dim = t.padded_dim, keys = t.padded_keys, queries = t.queries;
   scratch.start(3 * queries * dim + 4 * dim * keys + (kept ? 1 : 2) * queries * keys);
   float* query = scratch.take(queries * dim);
@@ -282,17 +576,7 @@ void backward_task(const Task& t, const T* grad_out, int64_t g_stride, const T* 
     probabilities_from_lse(t, recomputed, lse);
   }
   product(queries, keys, t.head_dim, rows_of(grad_output, dim), values_t, keys, grad_scores, keys, columns);
-  for (int64_t i = 0; i < queries; ++i) {
-    const float* p = probs + i * keys;
-    float* g = grad_scores + i * keys;
-    const int64_t visible = t.visible(i);
-    float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-    for (int64_t j = 0; j < visible; ++j) total += p[j] * g[j];
-#pragma omp simd
-    for (int64_t j = 0; j < visible; ++j) g[j] = t.scale * p[j] * (g[j] - total);
-    for (int64_t j = visible; j < t.keys; ++j) g[j] = 0.0f;
-  }
+  gradients_of_scores(t, probs, grad_scores);
   const Causal from_row = t.causal ? Causal::kDepthFromRow : Causal::kAll;
   product(t.keys, dim, queries, rows_of(probs, keys).transposed(), grad_output, dim, result, dim, from_row);
   write_rows(result, dim, t.keys, t.head_dim, grad_v + t.key_row * gv_stride + t.column, gv_stride);
@@ -451,6 +735,7 @@ void attention_backward(const at::Tensor& grad_out, const at::Tensor& q, const a
 TORCH_LIBRARY_FRAGMENT(seq2seq_cpu, m) {
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor query_spans, Tensor key_spans, int heads, bool causal,"
         " int max_kept_bytes) -> (Tensor, Tensor, Tensor)");
+  m.def("attention_tiles() -> bool", &attention_tiles);
   m.def("attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor lse, Tensor kept,"
         " Tensor query_spans, Tensor key_spans, int heads, bool causal, Tensor(a!) grad_q, Tensor(b!) grad_k,"
         " Tensor(c!) grad_v) -> ()");

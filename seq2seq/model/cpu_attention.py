@@ -6,8 +6,9 @@ and in bf16 cast q, k, v to fp32 and its output back, because PyTorch's fused ke
 times slower in bf16 than in fp32 on a CPU (docs/performance.md). The rows of a sentence are
 consecutive in a stack's flat layout (its positions are kept in order, PADs only trail), so a kernel
 that is told where each sentence's rows begin and end reads its queries, keys and values where the
-projections wrote them, in the model's dtype, computes in fp32 in the core's cache, and writes its
-output where the output projection reads it; its gradients land in the projections' layout too.
+projections wrote them, in the model's dtype, computes in fp32 in the core's cache (bf16 on an AMX
+CPU multiplies on its tiles, summing in fp32), and writes its output where the output projection
+reads it; its gradients land in the projections' layout too.
 
 It runs where the kernels are built (model/cpu_kernels.py), on fp32 or bf16 rows whose sentences
 are right-padded (`Rows.spans`), without attention dropout and outside torch.compile; elsewhere

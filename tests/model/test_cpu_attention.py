@@ -4,6 +4,8 @@ padding rows; the same for any thread count; and a model that takes it trains as
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,7 +14,7 @@ from seq2seq.config import ModelConfig
 from seq2seq.data.special_tokens import PAD_ID
 from seq2seq.model import cpu_attention, layers
 from seq2seq.model.cpu_attention import flat_attention
-from seq2seq.model.cpu_kernels import SWITCH
+from seq2seq.model.cpu_kernels import CAPPED_TARGETS, SWITCH, _cpu_flags
 from seq2seq.model.execution import Rows
 from seq2seq.model.transformer import Seq2SeqTransformer
 
@@ -80,6 +82,14 @@ def test_equals_pytorch_attention_of_each_sentence_forward_and_backward(
     for mine, reference in zip(ours_in, theirs_in):
         torch.testing.assert_close(mine.grad.float(), reference.grad, atol=tolerance, rtol=tolerance)
         assert not mine.grad[-PADDING_ROWS:].any()
+
+
+def test_bf16_attention_takes_amx_tiles_where_the_kernels_are_built_for_them(fused_kernels):
+    """On an AMX CPU the tests above run bf16 through the tile products; this says that they did."""
+    capped = os.environ.get("ATEN_CPU_CAPABILITY", "").lower() in CAPPED_TARGETS
+    if "amx_bf16" not in _cpu_flags().split() or capped:
+        pytest.skip("no AMX here (or the kernels are built below it): bf16 attention multiplies in fp32")
+    assert fused_kernels.attention_tiles()
 
 
 def test_any_thread_count_gives_the_same_bits(fused_kernels):
@@ -150,9 +160,10 @@ def test_a_model_computes_the_same_loss_and_gradients_with_and_without_it(fused_
 @pytest.mark.parametrize("causal", [False, True])
 def test_bf16_rows_attend_in_fp32_rounded_once(fused_kernels, causal):
     """bf16 q, k, v in: the output is fp32 attention rounded once to bf16, not attention over bf16-rounded
-    scores (which cost BLEU: docs/performance.md)."""
+    scores (which cost BLEU: docs/performance.md). On AMX the tile products also round the probabilities
+    to bf16 as they multiply v, which stays within that bound."""
     torch.manual_seed(0)
-    head_dim, length = 16, 9
+    head_dim, length = 16, 20  # 20: on AMX, on its tiles
     fused = torch.randn(length, 3 * HEADS * head_dim).mul(4).bfloat16()
     spans = _spans([length])
     out = flat_attention(fused, None, spans, spans, HEADS, causal=causal)
