@@ -52,6 +52,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=0, help="train.max_steps (0 = the config's)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[], help="train.seed values (default: the config's)")
     parser.add_argument("--set", action="append", default=[], help="extra config override (repeatable)")
+    parser.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=list(PRECISIONS),
+                        help="train these only (rerun the one whose path a change touched)")  # fmt: skip
     args = parser.parse_args()
     extra = list(args.set)
     if args.steps:
@@ -62,7 +64,7 @@ def main() -> int:
     for seed in args.seeds or [None]:
         seed_overrides = [] if seed is None else [f"train.seed={seed}"]
         bleu, loss = {}, {}
-        for precision in PRECISIONS:
+        for precision in args.precisions:
             config = load_config(args.config, [f"train.precision={precision}", *seed_overrides, *extra])
             suffix = "" if seed is None else f"-seed{seed}"
             run_dir = Path("runs") / f"precision-{args.config.stem}-{precision}{suffix}"
@@ -70,9 +72,12 @@ def main() -> int:
             bleu[precision], loss[precision], signature = scores.bleu, valid_loss, scores.get("bleu").signature
             print(f"| {config.train.seed} | {precision} | {steps} | {seconds:.0f} s | {valid_loss:.4f} | "
                   f"{scores.bleu:.2f} | {scores.chrf:.2f} |", flush=True)  # fmt: skip
-        differences.append(bleu["bf16"] - bleu["fp32"])
-        loss_ratios.append(loss["bf16"] / loss["fp32"])
+        if len(bleu) == len(PRECISIONS):
+            differences.append(bleu["bf16"] - bleu["fp32"])
+            loss_ratios.append(loss["bf16"] / loss["fp32"])
     print(f"\n{args.config}, test set, beam {config.decode.beam}; {signature}")
+    if not differences:
+        return 0
     print("bf16 - fp32 BLEU per seed: " + ", ".join(f"{d:+.2f}" for d in differences))
     spread = f" (std over seeds {statistics.stdev(differences):.2f})" if len(differences) > 1 else ""
     print(f"mean bf16 - fp32 BLEU: {statistics.mean(differences):+.2f}{spread}, median "
