@@ -11,11 +11,14 @@ the gradient's accumulation copies it into the weight's layout; a ReLU's gradien
 take one pass over the gradient (cpu_linear.cpp, where the fused kernels are built) where PyTorch's
 mask and column sums took two.
 
-Taken for 2-D bf16 rows on a CPU whose PyTorch has oneDNN, outside torch.compile (which has its own
+Taken for 2-D bf16 rows on a CPU where oneDNN has bf16 kernels (not AVX2-only x86, where the inner
+product has none and F.linear's emulation is the only way), outside torch.compile (which has its own
 fusions); fp32 keeps F.linear, whose product takes so much longer that the extra pass hardly shows.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -45,9 +48,15 @@ def _fused(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
         and x.dim() == 2
         and x.dtype == weight.dtype == torch.bfloat16
         and (bias is None or bias.dtype == torch.bfloat16)
-        and torch.backends.mkldnn.is_available()
+        and _onednn_bf16()
         and not torch.compiler.is_compiling()
     )
+
+
+@functools.cache
+def _onednn_bf16() -> bool:
+    """Whether oneDNN's bf16 inner product exists for this CPU (asked once: it does not change)."""
+    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class _FusedLinear(torch.autograd.Function):

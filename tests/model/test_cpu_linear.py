@@ -12,7 +12,10 @@ from seq2seq.model.cpu_linear import linear
 
 ROWS, IN, OUT = 203, 48, 80
 
-needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
+needs_onednn = pytest.mark.skipif(
+    not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+    reason="oneDNN has no bf16 inner product on this CPU (AVX2-only x86) or PyTorch was built without it",
+)
 
 
 def _inputs(bias: bool):
@@ -50,6 +53,17 @@ def test_the_fused_linear_is_f_linear_forward_and_backward(bias, relu):
         assert torch.equal(grad, expected)  # the same products: the same bits
     if bias:  # a sum of the same values, perhaps in another order: within one bf16 rounding
         torch.testing.assert_close(grads[2], expected_grads[2], rtol=8e-3, atol=1e-2)
+
+
+@pytest.mark.skipif(torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN runs bf16 on this CPU")
+@pytest.mark.parametrize("relu", [True, False])
+def test_bf16_where_onednn_has_no_bf16_kernels_takes_f_linear(relu):
+    """On AVX2-only x86 oneDNN's inner product refuses bf16: the layer is F.linear's, not an error."""
+    out, grads = _run(True, True, relu)
+    expected_out, expected_grads = _run(False, True, relu)
+    assert torch.equal(out, expected_out)
+    for grad, expected in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(grad, expected, rtol=8e-3, atol=1e-2)
 
 
 def test_fp32_takes_f_linear():
