@@ -172,6 +172,7 @@ inline void draw_words(uint64_t seed, int64_t first_word, uint64_t* words) {
 
 // out = addend + x * scale where an element is kept (its 16 bits at or above `dropped_below`), addend
 // where it is dropped; without an addend, 0 where dropped. One pass: read x (and the addend), write out.
+// x is read whether kept or not: GCC leaves a loop whose reads hang on a condition scalar.
 template <typename T>
 void masked_scale_block(const T* x, const T* addend, T* out, int64_t begin, int64_t end, uint64_t seed,
                         uint32_t dropped_below, float scale) {
@@ -183,12 +184,15 @@ void masked_scale_block(const T* x, const T* addend, T* out, int64_t begin, int6
     const int64_t from = start < begin ? begin : start, to = start + block < end ? start + block : end;
     if (addend == nullptr) {
 #pragma omp simd
-      for (int64_t i = from; i < to; ++i) store(out + i, bits[i - start] >= dropped_below ? load(x[i]) * scale : 0.0f);
+      for (int64_t i = from; i < to; ++i) {
+        const float scaled = load(x[i]) * scale;
+        store(out + i, bits[i - start] >= dropped_below ? scaled : 0.0f);
+      }
     } else {
 #pragma omp simd
       for (int64_t i = from; i < to; ++i) {
-        const float kept = bits[i - start] >= dropped_below ? load(x[i]) * scale : 0.0f;
-        store(out + i, load(addend[i]) + kept);
+        const float scaled = load(x[i]) * scale;
+        store(out + i, load(addend[i]) + (bits[i - start] >= dropped_below ? scaled : 0.0f));
       }
     }
   }

@@ -40,7 +40,8 @@ void relu_rows(const T* grad, const T* out, T* grad_in, float* sums, int64_t beg
     T* masked = grad_in + r * width;
 #pragma omp simd
     for (int64_t c = 0; c < width; ++c) {
-      const float value = load(o[c]) <= 0.0f ? 0.0f : load(g[c]);  // as threshold_backward: a NaN passes
+      const float incoming = load(g[c]);  // read either way: a read under a condition stays scalar
+      const float value = load(o[c]) <= 0.0f ? 0.0f : incoming;  // as threshold_backward: a NaN passes
       store(masked + c, value);
       sums[c] += value;
     }

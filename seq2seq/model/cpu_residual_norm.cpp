@@ -67,7 +67,8 @@ void forward_rows(const T* x, const T* y, const T* weight, const T* bias, T* sum
     float total = 0.0f;
 #pragma omp simd reduction(+ : total)
     for (int64_t c = 0; c < width; ++c) {
-      const float kept = bits[c] >= dropped_below ? load(y[at + c]) * scale : 0.0f;
+      const float scaled = load(y[at + c]) * scale;  // read either way: a read under a condition stays scalar
+      const float kept = bits[c] >= dropped_below ? scaled : 0.0f;
       v[c] = rounded<T>(load(x[at + c]) + kept);  // the sum as stored, which the backward pass reads
       total += v[c];
     }
