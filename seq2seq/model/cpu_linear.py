@@ -48,8 +48,8 @@ def _fused(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
         and x.dim() == 2
         and x.dtype == weight.dtype == torch.bfloat16
         and (bias is None or bias.dtype == torch.bfloat16)
+        and not torch.compiler.is_compiling()  # first: the compiler need not trace the cached ask below
         and _onednn_bf16()
-        and not torch.compiler.is_compiling()
     )
 
 
