@@ -8,12 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from seq2seq.model.cpu_linear import linear
+from seq2seq.model.cpu_linear import _onednn_bf16, linear
 
 ROWS, IN, OUT = 203, 48, 80
 
 needs_onednn = pytest.mark.skipif(
-    not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+    not _onednn_bf16(),
     reason="oneDNN has no bf16 inner product on this CPU (AVX2-only x86) or PyTorch was built without it",
 )
 
@@ -55,7 +55,7 @@ def test_the_fused_linear_is_f_linear_forward_and_backward(bias, relu):
         torch.testing.assert_close(grads[2], expected_grads[2], rtol=8e-3, atol=1e-2)
 
 
-@pytest.mark.skipif(torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN runs bf16 on this CPU")
+@pytest.mark.skipif(_onednn_bf16(), reason="oneDNN runs bf16 on this CPU")
 @pytest.mark.parametrize("relu", [True, False])
 def test_bf16_where_onednn_has_no_bf16_kernels_takes_f_linear(relu):
     """On AVX2-only x86 oneDNN's inner product refuses bf16: the layer is F.linear's, not an error."""
