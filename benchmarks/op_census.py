@@ -21,6 +21,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from seq2seq.model.cpu_linear import bf16_products_unwidened
+
 MATMULS = {"mm", "addmm", "bmm", "baddbmm", "_addmm_activation"}
 LINEARS = {"_linear_pointwise"}  # oneDNN's linear layer (model/cpu_linear.py): x, weight (out, in), bias
 ATTENTION = ("scaled_dot_product", "flash_attention", "efficient_attention", "_fused_sdp")
@@ -110,9 +112,10 @@ class _Counting(TorchDispatchMode):
 
 
 def take_census(step: Callable[[], None], steps: int = 1) -> Census:
-    """Run `step` `steps` times under the counting mode and return what it dispatched."""
+    """Run `step` `steps` times under the counting mode and return what it dispatched: bf16 products
+    as a CPU with bf16 kernels runs them, not widened to fp32 where it has none (model/cpu_linear.py)."""
     census = Census()
-    with _Counting(census):
+    with bf16_products_unwidened(), _Counting(census):
         for _ in range(steps):
             step()
     return census

@@ -49,3 +49,16 @@ def test_onednns_linear_layer_counts_as_a_matrix_product():
     census = take_census(linear_step(layer, x, None))
     assert census.matmuls == 2
     assert census.matmul_flops == 2 * (2 * 16 * 64 * 32)
+
+
+def test_bf16_products_count_unwidened_where_the_cpu_has_no_bf16_kernels(monkeypatch):
+    """Without bf16 kernels (AVX2-only x86) the layer computes bf16 products in fp32 (model/cpu_linear.py),
+    two casts each; the census counts what a CPU with bf16 kernels runs, so its figures do not depend on
+    the machine: the step's own two casts (to fp32 for the loss, and back in the backward), two products."""
+    from seq2seq.model import cpu_linear
+
+    monkeypatch.setattr(cpu_linear, "_onednn_bf16", lambda: False)
+    layer, x = cpu_linear.Linear(64, 32).bfloat16(), torch.randn(16, 64, dtype=torch.bfloat16)
+    assert layer(x).grad_fn.name() == "_FusedLinearBackward"  # outside the census: widened
+    census = take_census(linear_step(layer, x, None))
+    assert census.conversions == 2 and census.matmuls == 2

@@ -11,14 +11,24 @@ the gradient's accumulation copies it into the weight's layout; a ReLU's gradien
 take one pass over the gradient (cpu_linear.cpp, where the fused kernels are built) where PyTorch's
 mask and column sums took two.
 
-Taken for 2-D bf16 rows on a CPU where oneDNN has bf16 kernels (not AVX2-only x86, where the inner
-product has none and F.linear's emulation is the only way), outside torch.compile (which has its own
-fusions); fp32 keeps F.linear, whose product takes so much longer that the extra pass hardly shows.
+Taken for 2-D bf16 rows on a CPU, outside torch.compile (which has its own fusions); fp32 keeps
+F.linear, whose product takes so much longer that the extra pass hardly shows.
+
+Where oneDNN has no bf16 kernels (AVX2-only x86), PyTorch's bf16 products are scalar loops, orders of
+magnitude slower than fp32's: a bf16 run there took minutes where fp32 took seconds. There `mm` and
+the layer widen the bf16 operands to fp32 (exactly: every bf16 value is an fp32 one), multiply at
+the fp32 rate and round the result to bf16 once, which is what a bf16 unit that accumulates in fp32
+computes (oneDNN's AVX-512 and AMX kernels, and PyTorch's emulation itself); only the order of the
+additions may differ. The op census counts products as a CPU with bf16 kernels runs them
+(`bf16_products_unwidened`), so that its figures stay the same on every machine.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -49,7 +59,7 @@ def _fused(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
         and x.dtype == weight.dtype == torch.bfloat16
         and (bias is None or bias.dtype == torch.bfloat16)
         and not torch.compiler.is_compiling()  # first: the compiler need not trace the cached ask below
-        and _onednn_bf16()
+        and (_onednn_bf16() or _widening.get())  # else F.linear's emulation (the op census)
     )
 
 
@@ -59,10 +69,46 @@ def _onednn_bf16() -> bool:
     return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+_widening = contextvars.ContextVar("bf16 products widened to fp32 where the CPU emulates bf16", default=True)
+
+
+def widened(x: Tensor) -> bool:
+    """Whether products of bf16 `x` are computed in fp32 here: on a CPU without bf16 kernels."""
+    return (
+        x.dtype == torch.bfloat16
+        and x.device.type == "cpu"
+        and not torch.compiler.is_compiling()  # first: the compiler need not trace the cached ask below
+        and _widening.get()
+        and not _onednn_bf16()
+    )
+
+
+@contextlib.contextmanager
+def bf16_products_unwidened() -> Iterator[None]:
+    """PyTorch's own bf16 products, emulated or not: the ops a CPU with bf16 kernels runs, for the op census."""
+    token = _widening.set(False)
+    try:
+        yield
+    finally:
+        _widening.reset(token)
+
+
+def mm(a: Tensor, b: Tensor, *, out: Tensor | None = None) -> Tensor:
+    """torch.mm(a, b, out=out), through fp32 for bf16 on a CPU without bf16 kernels (module docstring)."""
+    if not widened(a):
+        return torch.mm(a, b, out=out)
+    product = torch.mm(a.float(), b.float())
+    return product.to(a.dtype) if out is None else out.copy_(product)
+
+
 class _FusedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, relu: bool) -> Tensor:
-        out = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "relu" if relu else "none", [], "")
+        if not _onednn_bf16():  # widened (module docstring)
+            out = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+            out = (F.relu(out, inplace=True) if relu else out).to(x.dtype)
+        else:
+            out = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "relu" if relu else "none", [], "")
         ctx.save_for_backward(x, weight, out if relu else None)
         ctx.relu = relu
         return out
@@ -72,8 +118,8 @@ class _FusedLinear(torch.autograd.Function):
         x, weight, out = ctx.saved_tensors
         wants_x, wants_weight, wants_bias, _ = ctx.needs_input_grad
         grad, grad_bias = _relu_and_bias_gradients(grad, out if ctx.relu else None, wants_bias)
-        grad_x = grad.mm(weight) if wants_x else None
-        grad_weight = grad.t().mm(x) if wants_weight else None
+        grad_x = mm(grad, weight) if wants_x else None
+        grad_weight = mm(grad.t(), x) if wants_weight else None
         return grad_x, grad_weight, grad_bias, None
 
 

@@ -29,6 +29,7 @@ from torch import Tensor
 
 from seq2seq.data.batching import POSITION_MULTIPLE
 from seq2seq.model.cpu_kernels import cpu_kernels
+from seq2seq.model.cpu_linear import mm, widened
 from seq2seq.model.execution import autocast_dtype
 
 # Logits per chunk. On a CPU, 16 MiB of fp32 per buffer (512 rows of an 8k vocabulary, 256 of a 16k
@@ -92,7 +93,7 @@ def _loss_and_gradients(
             # is then a multiple of it, and bf16 matmuls on CPU build one oneDNN kernel per row
             # count. Padding rows get a zero gradient.
             stop, real = min(start + step, hidden.size(0)), min(step, rows_in_use - start)
-            z = torch.mm(rows[start:stop], layer.t(), out=logits[: stop - start])  # (count, V)
+            z = mm(rows[start:stop], layer.t(), out=logits[: stop - start])  # (count, V)
             chunk_target = target[start : start + real].contiguous()
             if kernels is not None:  # the loss and the gradient over z, in place, one pass
                 total += kernels.label_smoothed_loss_(z, chunk_target, smoothing).sum()
@@ -137,13 +138,16 @@ class _ChunkLoss:
 
 def _add_product(out: Tensor, a: Tensor, b: Tensor, kernels) -> None:
     """out += a @ b, in place when the dtypes agree (no temporary), else through one cast (fused
-    into the addition where the CPU kernels are built)."""
-    if out.dtype == a.dtype:
+    into the addition where the CPU kernels are built). Rounded where a bf16 unit rounds: a bf16 out
+    once, after the addition; the product once before it is added to an fp32 out."""
+    if out.dtype == a.dtype and not widened(a):
         out.addmm_(a, b)
+    elif out.dtype == a.dtype:  # widened (cpu_linear.mm): the fp32 sum rounds once into out
+        out.add_(torch.mm(a.float(), b.float()))
     elif kernels is not None and out.dtype == torch.float32 and a.dtype == torch.bfloat16:
-        kernels.add_bf16_(out, torch.mm(a, b))
+        kernels.add_bf16_(out, mm(a, b))
     else:
-        out.add_(torch.mm(a, b))
+        out.add_(mm(a, b))
 
 
 def _to_dtype(chunk: Tensor, buffer: Tensor) -> Tensor:

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from seq2seq.model import cpu_linear
 from seq2seq.model.cpu_linear import _onednn_bf16, linear
 
 ROWS, IN, OUT = 203, 48, 80
@@ -55,15 +56,50 @@ def test_the_fused_linear_is_f_linear_forward_and_backward(bias, relu):
         torch.testing.assert_close(grads[2], expected_grads[2], rtol=8e-3, atol=1e-2)
 
 
-@pytest.mark.skipif(_onednn_bf16(), reason="oneDNN runs bf16 on this CPU")
+@pytest.fixture
+def without_bf16_kernels(monkeypatch):
+    """The layer as on a CPU whose oneDNN has no bf16 kernels (AVX2-only x86), on any CPU."""
+    monkeypatch.setattr(cpu_linear, "_onednn_bf16", lambda: False)
+
+
+def _exactly_rounded(x, weight, bias, relu: bool):
+    out = F.linear(x.double(), weight.double(), bias.double())
+    return (F.relu(out) if relu else out).bfloat16()
+
+
+def _within_one_rounding(ours, exact):
+    """Every element the exactly rounded value or its neighbour (an fp32 sum lands on the other
+    side of a bf16 rounding boundary now and then), and nearly all the exactly rounded value."""
+    ulp = exact.float().abs().clamp(min=2**-126) * 2**-7
+    assert bool(((ours.float() - exact.float()).abs() <= ulp).all())
+    assert (ours == exact).float().mean() >= 0.995
+
+
 @pytest.mark.parametrize("relu", [True, False])
-def test_bf16_where_onednn_has_no_bf16_kernels_takes_f_linear(relu):
-    """On AVX2-only x86 oneDNN's inner product refuses bf16: the layer is F.linear's, not an error."""
-    out, grads = _run(True, True, relu)
-    expected_out, expected_grads = _run(False, True, relu)
-    assert torch.equal(out, expected_out)
-    for grad, expected in zip(grads, expected_grads, strict=True):
-        torch.testing.assert_close(grad, expected, rtol=8e-3, atol=1e-2)
+def test_without_bf16_kernels_products_run_in_fp32_and_round_once(without_bf16_kernels, relu):
+    """Where PyTorch's bf16 products are scalar loops, the layer widens to fp32: the output and the
+    gradients are the exact results rounded to bf16 once, as a bf16 unit accumulating in fp32 gives."""
+    (x, weight, b), grad = _inputs(True)
+    out = linear(x, weight, b, relu=relu)
+    assert out.grad_fn.name() == "_FusedLinearBackward" and out.dtype == torch.bfloat16
+    out.backward(grad)
+    _within_one_rounding(out, _exactly_rounded(x, weight, b, relu))
+    if relu:
+        assert (out == 0).any() and (out > 0).any()
+    passed = grad.double() * (out > 0) if relu else grad.double()
+    _within_one_rounding(x.grad, (passed @ weight.double()).bfloat16())
+    _within_one_rounding(weight.grad, (passed.t() @ x.double()).bfloat16())
+    torch.testing.assert_close(b.grad, passed.sum(0).bfloat16(), rtol=8e-3, atol=1e-2)  # PyTorch's own column sums
+
+
+def test_without_bf16_kernels_the_census_sees_pytorchs_products(without_bf16_kernels):
+    """bf16_products_unwidened (the op census): F.linear and torch.mm in bf16, no conversion."""
+    (x, weight, b), _ = _inputs(True)
+    with cpu_linear.bf16_products_unwidened():
+        out = linear(x, weight, b)
+        product = cpu_linear.mm(x, weight.t())
+    assert out.grad_fn.name() == "AddmmBackward0" and torch.equal(out, F.linear(x, weight, b))
+    assert torch.equal(product, torch.mm(x, weight.t()))
 
 
 def test_fp32_takes_f_linear():

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
+from seq2seq.model import cpu_linear
 from seq2seq.model.cpu_kernels import SWITCH
 from seq2seq.training import loss as loss_module
 from seq2seq.training.loss import output_layer_loss
@@ -142,10 +143,14 @@ def test_the_logits_never_exist_whole(monkeypatch):
 
 
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
-@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
-def test_both_cpu_paths_give_pytorchs_loss_and_gradients(cpu_path, autocast, smoothing, monkeypatch):
+@pytest.mark.parametrize(("autocast", "widened"), [(False, False), (True, False), (True, True)],
+                         ids=["fp32", "bf16", "bf16-widened"])  # fmt: skip
+def test_both_cpu_paths_give_pytorchs_loss_and_gradients(cpu_path, autocast, widened, smoothing, monkeypatch):
     """fp32 and bf16 logits, chunks with a ragged one and padding rows, targets at both ends of the
-    vocabulary: the loss of F.cross_entropy over the same logits, and its gradients."""
+    vocabulary: the loss of F.cross_entropy over the same logits, and its gradients. Widened: bf16
+    products as on a CPU without bf16 kernels, through fp32 (model/cpu_linear.py), on any CPU."""
+    if widened:
+        monkeypatch.setattr(cpu_linear, "_onednn_bf16", lambda: False)
     monkeypatch.setattr(loss_module, "CPU_CHUNK_ELEMENTS", 16 * 301)  # 16-row chunks
     hidden, weight = _inputs(72, 24, 301, dtype=torch.float32)
     target = torch.randint(0, 301, (60,))
