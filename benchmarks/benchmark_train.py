@@ -59,6 +59,7 @@ from seq2seq.data.special_tokens import PAD_ID
 from seq2seq.data.tokenizer import Tokenizer, load_or_train_tokenizer
 from seq2seq.errors import UserInputError
 from seq2seq.model.cpu_kernels import SWITCH as CPU_KERNELS_SWITCH
+from seq2seq.model.cpu_linear import mm
 from seq2seq.model.execution import Rows
 from seq2seq.model.transformer import build_model, sinusoidal_positions
 from seq2seq.training.host_memory import HEAP_TRIM_EVERY, release_free_heap
@@ -136,16 +137,17 @@ def matmul_rate(dtype: torch.dtype, windows: int = 10, seconds: float = 0.2) -> 
     """FLOP/s of a large matmul on this device, in the given precision: the best of `windows` short
     windows, the rate the device reaches. An average over one long window took in whatever else the
     (shared, virtual) machine was doing then, and so varied from run to run with it, and the MFU
-    divided by it with it."""
+    divided by it with it. Through cpu_linear.mm, as the model's bf16 products run: in fp32 on a CPU
+    without bf16 kernels."""
     n, k = (8192, 8192) if DEVICE.type == "cuda" else (2048, 1024)
     a, b = torch.randn(n, k, dtype=dtype, device=DEVICE), torch.randn(k, k, dtype=dtype, device=DEVICE)
-    a @ b
+    mm(a, b)
     synchronize()
     best = 0.0
     for _ in range(windows):
         count, start = 0, time.perf_counter()
         while time.perf_counter() - start < seconds:
-            a @ b
+            mm(a, b)
             synchronize()
             count += 1
         best = max(best, count * 2 * n * k * k / (time.perf_counter() - start))
