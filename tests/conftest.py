@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from filelock import FileLock
 
 from seq2seq.data.demo_data import make_demo_corpus
 from seq2seq.model.cpu_kernels import SWITCH, cpu_kernels
@@ -91,14 +94,23 @@ def _seed():
 
 def _trained(tmp_path_factory, demo_pairs, name: str, steps: int) -> tuple[Path, Path]:
     """(last.pt of the tiny config after `steps` steps, its data folder). Trained on the CPU, so that
-    every machine, a GPU one too, tests the same model (a GPU's rounding trains another)."""
-    root = tmp_path_factory.mktemp(name)
-    data = root / "data"
-    data.mkdir()
-    for split, pairs in demo_pairs.items():
-        write_pairs(data, split, pairs)
-    make_trainer(root, data, device="cpu", max_steps=steps, valid_every=steps, save_every=steps, log_every=20).run()
-    return root / "run" / "checkpoints" / "last.pt", data
+    every machine, a GPU one too, tests the same model (a GPU's rounding trains another). Once per
+    run of the suite: pytest-xdist's workers share the run's temporary folder, and the first to want
+    the model trains it under a file lock while the others wait for it (each trained its own)."""
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # this run's folder, above each worker's own
+    root, data = shared / f"shared-{name}", shared / f"shared-{name}" / "data"
+    checkpoint = root / "run" / "checkpoints" / "last.pt"
+    with FileLock(f"{root}.lock"):
+        if not checkpoint.exists():
+            shutil.rmtree(root, ignore_errors=True)  # what a worker that died while training left
+            data.mkdir(parents=True)
+            for split, pairs in demo_pairs.items():
+                write_pairs(data, split, pairs)
+            make_trainer(root, data, device="cpu", max_steps=steps, valid_every=steps, save_every=steps,
+                         log_every=20).run()  # fmt: skip
+    return checkpoint, data
 
 
 @pytest.fixture(scope="session")
