@@ -57,7 +57,7 @@ def test_bf16_products_count_unwidened_where_the_cpu_has_no_bf16_kernels(monkeyp
     the machine: the step's own two casts (to fp32 for the loss, and back in the backward), two products."""
     from seq2seq.model import cpu_linear
 
-    monkeypatch.setattr(cpu_linear, "_onednn_bf16", lambda: False)
+    monkeypatch.setattr(cpu_linear, "onednn_runs_bf16", lambda: False)
     layer, x = cpu_linear.Linear(64, 32).bfloat16(), torch.randn(16, 64, dtype=torch.bfloat16)
     assert layer(x).grad_fn.name() == "_FusedLinearBackward"  # outside the census: widened
     census = take_census(linear_step(layer, x, None))

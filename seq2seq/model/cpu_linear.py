@@ -59,13 +59,14 @@ def _fused(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
         and x.dtype == weight.dtype == torch.bfloat16
         and (bias is None or bias.dtype == torch.bfloat16)
         and not torch.compiler.is_compiling()  # first: the compiler need not trace the cached ask below
-        and (_onednn_bf16() or _widening.get())  # else F.linear's emulation (the op census)
+        and (onednn_runs_bf16() or _widening.get())  # else F.linear's emulation (the op census)
     )
 
 
 @functools.cache
-def _onednn_bf16() -> bool:
-    """Whether oneDNN's bf16 inner product exists for this CPU (asked once: it does not change)."""
+def onednn_runs_bf16() -> bool:
+    """Whether oneDNN has bf16 kernels for this CPU, its inner product among them (False on AVX2-only
+    x86; asked once: it does not change)."""
     return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
@@ -79,7 +80,7 @@ def widened(x: Tensor) -> bool:
         and x.device.type == "cpu"
         and not torch.compiler.is_compiling()  # first: the compiler need not trace the cached ask below
         and _widening.get()
-        and not _onednn_bf16()
+        and not onednn_runs_bf16()
     )
 
 
@@ -104,7 +105,7 @@ def mm(a: Tensor, b: Tensor, *, out: Tensor | None = None) -> Tensor:
 class _FusedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, relu: bool) -> Tensor:
-        if not _onednn_bf16():  # widened (module docstring)
+        if not onednn_runs_bf16():  # widened (module docstring)
             out = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
             out = (F.relu(out, inplace=True) if relu else out).to(x.dtype)
         else:

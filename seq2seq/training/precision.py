@@ -1,9 +1,9 @@
 """Which training precision the hardware runs natively: the rule behind `train.precision: auto`.
 
 bf16 halves the bytes of every activation and, where the hardware has bf16 arithmetic, doubles the
-matrix rate. Where it has none, PyTorch emulates it, and the emulation is far slower than fp32 (on
-an AVX2-only CPU by two orders of magnitude: docs/performance.md), so a bf16 config crawled there
-without a word. The rule:
+matrix rate. Where it has none, bf16 is emulated and no faster than fp32: on an AVX2-only CPU the
+model computes its bf16 products in fp32 and rounds them (model/cpu_linear.py), and elsewhere
+oneDNN's emulation can be slower than fp32 (docs/performance.md). The rule:
 
 * a CUDA GPU: bf16 where the GPU has bf16 arithmetic (compute capability 8.0, Ampere, and newer;
   `torch.cuda.is_bf16_supported()` also says yes where bf16 is only emulated, on a V100 or a T4),
@@ -16,7 +16,7 @@ without a word. The rule:
 
 A run decides once, when it starts: a resumed run keeps the precision it recorded (the probe is
 noisy, and a precision that changed midway would change the run). An explicit bf16 on a CPU that
-would emulate it is kept (the user asked for it) with one warning that gives the measured rates.
+would emulate it is kept (the user asked for it) with one warning that says how it is emulated.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ import time
 from dataclasses import dataclass
 
 import torch
+
+from seq2seq.model.cpu_linear import onednn_runs_bf16
 
 log = logging.getLogger(__name__)
 
@@ -69,11 +71,6 @@ def cpu_matmul_rates() -> MatmulRates:
     return MatmulRates(fp32=_rate(torch.float32), bf16=_rate(torch.bfloat16))
 
 
-def onednn_runs_bf16() -> bool:
-    """Whether oneDNN has bf16 kernels for this CPU (False on AVX2-only x86)."""
-    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
 def cpu_has_native_bf16() -> bool:
     """oneDNN runs bf16 here and a measured bf16 matmul is faster than fp32 by BF16_MARGIN."""
     if not onednn_runs_bf16():
@@ -94,7 +91,12 @@ def choose_precision(requested: str, device: torch.device, *, recorded: str | No
     if requested == "auto" and recorded in runnable:
         return Choice(recorded, "auto: kept from the run's start; set train.precision to change it")
     if requested != "auto":
-        if requested == "bf16" and device.type == "cpu" and not cpu_has_native_bf16():
+        if requested == "bf16" and device.type == "cpu" and not onednn_runs_bf16():
+            log.warning(
+                "bf16 on this CPU is emulated: its matrix products run in fp32 and are rounded to bf16 "
+                "(model/cpu_linear.py), no faster than fp32; use train.precision auto or fp32"
+            )
+        elif requested == "bf16" and device.type == "cpu" and not cpu_has_native_bf16():
             rates = cpu_matmul_rates()
             log.warning(
                 "bf16 on this CPU is emulated: matmul %.0f GFLOP/s vs %.0f in fp32; use train.precision auto or fp32",

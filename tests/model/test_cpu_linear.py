@@ -9,12 +9,12 @@ import torch
 import torch.nn.functional as F
 
 from seq2seq.model import cpu_linear
-from seq2seq.model.cpu_linear import _onednn_bf16, linear
+from seq2seq.model.cpu_linear import linear, onednn_runs_bf16
 
 ROWS, IN, OUT = 203, 48, 80
 
 needs_onednn = pytest.mark.skipif(
-    not _onednn_bf16(),
+    not onednn_runs_bf16(),
     reason="oneDNN has no bf16 inner product on this CPU (AVX2-only x86) or PyTorch was built without it",
 )
 
@@ -59,7 +59,7 @@ def test_the_fused_linear_is_f_linear_forward_and_backward(bias, relu):
 @pytest.fixture
 def without_bf16_kernels(monkeypatch):
     """The layer as on a CPU whose oneDNN has no bf16 kernels (AVX2-only x86), on any CPU."""
-    monkeypatch.setattr(cpu_linear, "_onednn_bf16", lambda: False)
+    monkeypatch.setattr(cpu_linear, "onednn_runs_bf16", lambda: False)
 
 
 def _exactly_rounded(x, weight, bias, relu: bool):

@@ -150,7 +150,7 @@ def test_both_cpu_paths_give_pytorchs_loss_and_gradients(cpu_path, autocast, wid
     vocabulary: the loss of F.cross_entropy over the same logits, and its gradients. Widened: bf16
     products as on a CPU without bf16 kernels, through fp32 (model/cpu_linear.py), on any CPU."""
     if widened:
-        monkeypatch.setattr(cpu_linear, "_onednn_bf16", lambda: False)
+        monkeypatch.setattr(cpu_linear, "onednn_runs_bf16", lambda: False)
     monkeypatch.setattr(loss_module, "CPU_CHUNK_ELEMENTS", 16 * 301)  # 16-row chunks
     hidden, weight = _inputs(72, 24, 301, dtype=torch.float32)
     target = torch.randint(0, 301, (60,))
