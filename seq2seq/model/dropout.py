@@ -7,7 +7,8 @@ generator (so runs stay reproducible and resume exactly), and is dropped when th
 p x 65,536, in a fraction of bernoulli_'s time. The drop probability
 is p rounded to a multiple of 1/65,536 (0.1 becomes 0.100006) and kept elements are scaled by
 1 / (1 - that probability), so the expected output is still the input. On GPUs PyTorch's fused
-kernel is fast already and is used as is.
+kernel is fast already and is used as is; so is it under torch.compile, which fuses the draws into
+its own kernels and cannot trace the bits' dtype view (a graph break in every layer).
 
 Where the fused CPU kernels are built (cpu_kernels.py), drawing the bits, masking and scaling (and
 the residual connection's addition, `dropout_add`) are one pass over memory, where they were four
@@ -32,7 +33,7 @@ def dropout(x: Tensor, p: float, *, training: bool) -> Tensor:
     """F.dropout(x, p, training), with the cheap mask on CPU."""
     if not training or p == 0.0:
         return x
-    if x.device.type != "cpu" or round(p * _LEVELS) >= _LEVELS:
+    if x.device.type != "cpu" or torch.compiler.is_compiling() or round(p * _LEVELS) >= _LEVELS:
         return F.dropout(x, p, training=True)
     if _fused(x):
         return _FusedDropout.apply(x, None, p)

@@ -42,6 +42,7 @@ class Rows:
       outputs are dropped. The matrix products of a step shrink by the PAD share (benchmark_train
       and profile_train in the ledger). On a GPU every position
       is kept: listing the token positions there (nonzero) would make the host wait for the device.
+      So it is under torch.compile: a list of data-dependent length breaks the graph at every layer.
     - oneDNN's kernel cache. oneDNN, which runs PyTorch's bf16 matmuls on CPU, compiles and caches
       a kernel for every new row count of a linear layer, forward and backward. A batch's row count
       keeps changing, so that cache, and RSS, crept up for the whole run. A stack
@@ -66,8 +67,8 @@ class Rows:
     @classmethod
     def of(cls, keep: Tensor, multiple: int) -> Rows:
         """The rows of a (batch, length) block whose positions to compute are True in `keep`: only
-        those on a CPU (when some are not), every one elsewhere."""
-        if keep.device.type != "cpu":
+        those on a CPU (when some are not, and not compiling), every one elsewhere."""
+        if keep.device.type != "cpu" or torch.compiler.is_compiling():
             return cls(keep.size(0), keep.size(1), multiple)
         lengths = keep.sum(1)
         right_padded = bool(torch.equal(keep, torch.arange(keep.size(1)) < lengths[:, None]))

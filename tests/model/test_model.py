@@ -295,12 +295,15 @@ def gpu_code_path(monkeypatch):
     monkeypatch.setenv(CPU_KERNELS_SWITCH, "0")  # dropout_add: the residual's addition, then the dropout above
 
 
-@pytest.mark.usefixtures("gpu_code_path")
-def test_training_compiles_the_model_as_one_graph_on_the_gpu_path():
-    """Where training is compiled (on a GPU), nothing in the model may break torch.compile's graph:
-    each break is a piece compiled and launched apart, and on Python 3.11 the lock inside
-    functools.cached_property made the compiled decoder fall back to running eagerly.
-    fullgraph=True raises at the first break."""
+@pytest.mark.parametrize("code_path", ["gpu", "cpu"])
+def test_training_compiles_the_model_as_one_graph(request, code_path):
+    """Where training is compiled, nothing in the model may break torch.compile's graph: each break
+    is a piece compiled and launched apart, and on Python 3.11 the lock inside
+    functools.cached_property made the compiled decoder fall back to running eagerly. On a CPU the
+    packed rows (nonzero) and the cheap dropout mask (random bits as int16) broke it at every layer,
+    and a break inside the layer loop ran the stacks eagerly. fullgraph=True raises at the first break."""
+    if code_path == "gpu":
+        request.getfixturevalue("gpu_code_path")
     model = make_model("post", dropout=0.1).train()
     compiled = torch.compile(model, fullgraph=True, dynamic=True, backend="eager")
     src, tgt_in, _, _ = _padded_pairs()
