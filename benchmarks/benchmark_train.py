@@ -305,6 +305,12 @@ def run_side(args, side: str, queue) -> None:
     queue.put((side, steps, timing, padding))
 
 
+def multiplies_in_half_precision() -> bool:
+    """Whether this device multiplies in bf16 natively (a GPU, AVX-512-bf16 or AMX): where the bf16 side
+    is worth running by default and its target applies."""
+    return DEVICE.type == "cuda" or cpu_has_native_bf16()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, default=Path("configs/bible_en_es.yaml"))
@@ -333,8 +339,7 @@ def main() -> int:
         return 2
     torch.set_num_threads(args.threads)
     if args.sides is None:
-        native_bf16 = DEVICE.type == "cuda" or cpu_has_native_bf16()
-        args.sides = list(SIDES[:3]) if native_bf16 else list(SIDES[:2])
+        args.sides = list(SIDES[:3]) if multiplies_in_half_precision() else list(SIDES[:2])
     rates = matmul_rates()
     context = multiprocessing.get_context("spawn")
     results = {}
@@ -383,8 +388,11 @@ def report(args, rates: dict[str, float], results: dict, preparation_peak: float
         for side in results:
             if side.startswith("ours"):
                 ratio = results[side][1].tokens_per_second / reference
-                target = TARGET_SPEEDUP[side_precision(side)]
-                print(f"{side} / reference: {ratio:.2f}x (target >= {target}x)")
+                precision = side_precision(side)
+                if precision == "fp32" or multiplies_in_half_precision():
+                    print(f"{side} / reference: {ratio:.2f}x (target >= {TARGET_SPEEDUP[precision]}x)")
+                else:  # the half-precision targets are for hardware that multiplies in it
+                    print(f"{side} / reference: {ratio:.2f}x (no target: no native {precision} here)")
     if args.plot:
         plot_memory(args.plot, results, memory)
         print(f"memory over steps: {args.plot}")
