@@ -21,7 +21,7 @@ def test_torch_compile_gives_the_eager_losses(tmp_path, tiny_data, precision, dr
         raw = tiny_config_dict(tiny_data, max_steps=3, log_every=1, valid_every=100, compile=compiled,
                                precision=precision)  # fmt: skip
         raw["model"]["dropout"] = dropout
-        # a layer a stack: each layer is the same code, and compiling the second took a sixth of the test
+        # a layer a stack: each layer is the same code, and every further one is more to trace and compile
         raw["model"]["encoder_layers"] = raw["model"]["decoder_layers"] = 1
         trainer = Trainer(config_from_dict(raw, origin="test"), tmp_path / f"run{compiled}", show_progress=False)
         trainer.run()

@@ -189,7 +189,7 @@ def test_sigterm_to_a_multi_process_training_saves_it_and_leaves_no_worker_behin
     """`seq2seq train --nproc 2` stopped by SIGTERM (a `timeout`, a container's stop) once it trains: the
     signal reaches torchrun's workers, which save the update under way although no save was due, and the
     command ends with them, 143. Its torchrun was killed before: the workers trained on, orphaned,
-    holding the run directory, which a resume right after the command ended (of both ranks) now takes."""
+    holding the run directory, which a two-rank resume right after the command ended now takes."""
     import signal
     import time
 
