@@ -28,7 +28,7 @@ def test_checkpoint_is_self_contained_for_inference(tmp_path, tiny_data):
     bundle = load_for_inference(result.last_checkpoint)
     for name, tensor in trainer.model.state_dict().items():
         assert torch.equal(tensor.cpu(), bundle.model.state_dict()[name].cpu())
-    assert bundle.tokenizer.encode_src(["the cat"]) == trainer.tokenizer.encode_src(["the cat"])
+    assert bundle.tokenizer.encode_src(["the cat"]) == trainer.state.tokenizer.encode_src(["the cat"])
     assert bundle.config == trainer.config
     assert (tmp_path / "run" / "config.yaml").exists()
 

@@ -53,12 +53,12 @@ def test_fp16_overflow_is_skipped_not_applied(tmp_path, tiny_data, monkeypatch):
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_a_training_step_never_waits_for_the_gpu(tmp_path, tiny_data, precision):
     trainer = cuda_trainer(tmp_path, tiny_data, precision, max_steps=10)
-    batch = make_batch(trainer.data.train, epoch_batches(trainer.data.train, max_tokens=512, seed=1, epoch=1)[0])
-    config = trainer.config.train
+    state, config = trainer.state, trainer.config.train
+    batch = make_batch(state.data.train, epoch_batches(state.data.train, max_tokens=512, seed=1, epoch=1)[0])
 
     def step():
-        train_step(trainer.model, trainer.optimizer, trainer.scaler, [batch], update_tokens=batch.num_tokens,
-                   lr=1e-4, config=config)  # fmt: skip
+        train_step(state.model, state.optimizer, state.scaler, [batch], update_tokens=batch.num_tokens, lr=1e-4,
+                   config=config)  # fmt: skip
 
     step()  # first step: lazy optimizer state and allocator warm-up
     torch.cuda.set_sync_debug_mode("error")  # any host-device synchronisation now raises

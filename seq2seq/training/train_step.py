@@ -9,6 +9,7 @@ read when the trainer logs. The optimizer and loss scaler that the step needs ar
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,11 +19,14 @@ import torch.fx.experimental._config
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
+from seq2seq.checkpoint import Progress
 from seq2seq.config import TrainConfig
 from seq2seq.data.batching import Batch
 from seq2seq.errors import UserInputError
 from seq2seq.training.loss import output_layer_loss
 from seq2seq.training.working_copy import WorkingCopy
+
+log = logging.getLogger(__name__)
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -194,3 +198,16 @@ class SkippedUpdates:
         self.total.zero_()
         self.longest_run.zero_()
         return total, longest_run
+
+    def count_into(self, progress: Progress) -> None:
+        """Add the updates skipped since the last call to `progress`, with a warning; raise
+        TrainingDiverged where MAX_SKIPPED_IN_A_ROW of them came in a row."""
+        skipped, longest_run = self.collect()
+        progress.skipped_steps += skipped
+        if skipped:
+            log.warning("%d updates skipped for non-finite gradients (up to step %d)", skipped, progress.step)
+        if longest_run >= MAX_SKIPPED_IN_A_ROW:
+            raise TrainingDiverged(
+                f"training diverged: {longest_run} updates in a row had non-finite gradients "
+                f"(up to step {progress.step}); lower train.lr, raise train.warmup_steps or use fp32/bf16"
+            )

@@ -217,7 +217,7 @@ def test_a_new_run_fine_tunes_from_a_checkpoints_weights_and_tokenizer(tmp_path,
     tuned = Trainer(config_from_dict(raw, origin="test"), tmp_path / "tuned", show_progress=False)
     for name, tensor in trained.model.items():
         assert torch.equal(tuned.model.state_dict()[name], tensor), name
-    assert tuned.tokenizer.protos() == trained.tokenizer.protos()
+    assert tuned.state.tokenizer.protos() == trained.tokenizer.protos()
     assert tuned.run().progress.step == 3
     losses = [[r["loss"] for r in run.metrics.read() if r["kind"] == "train"] for run in (base, tuned)]
     assert losses[1][0] < 0.8 * losses[0][0]  # the trained model's loss, far below a fresh model's first
@@ -250,21 +250,20 @@ def test_a_fine_tuning_run_resumes_from_its_own_checkpoints(tmp_path, tiny_data)
 
 def test_non_finite_steps_are_skipped_and_too_many_stop_with_a_message(tmp_path, tiny_data, monkeypatch):
     import seq2seq.training.train_step as step_module
-    import seq2seq.training.trainer as train_module
 
     trainer = make_trainer(tmp_path, tiny_data, max_steps=100, log_every=5, valid_every=1000)
     before = {name: p.clone() for name, p in trainer.model.named_parameters()}
     real_loss = step_module.output_layer_loss
     monkeypatch.setattr(step_module, "output_layer_loss", lambda *a: real_loss(*a) * float("nan"))
-    with pytest.raises(train_module.TrainingDiverged, match="20 updates in a row had non-finite gradients"):
+    with pytest.raises(step_module.TrainingDiverged, match="20 updates in a row had non-finite gradients"):
         trainer.run()
-    assert trainer.progress.skipped_steps == train_module.MAX_SKIPPED_IN_A_ROW
+    assert trainer.progress.skipped_steps == step_module.MAX_SKIPPED_IN_A_ROW
     for name, param in trainer.model.named_parameters():
         assert torch.equal(param, before[name]), name  # nothing was applied
 
 
 def test_skipped_update_counters_track_runs_across_reads():
-    from seq2seq.training.trainer import SkippedUpdates
+    from seq2seq.training.train_step import SkippedUpdates
 
     counters = SkippedUpdates(torch.device("cpu"))
     for flag in (1, 1, 0, 1, 1):
