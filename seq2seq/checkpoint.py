@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from seq2seq.config import Config, run_defining_differences
+from seq2seq.config import Config
+from seq2seq.config_changes import run_defining_differences
 from seq2seq.config_files import config_from_dict
 from seq2seq.data.tokenizer import Tokenizer
 from seq2seq.errors import UserInputError

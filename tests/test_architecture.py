@@ -20,7 +20,17 @@ WINGS = [
     "distillation",
     "cli",
 ]
-GROUND = {"errors", "schema", "decoding", "config", "config_files", "config_reference", "files", "progress"}
+GROUND = {
+    "errors",
+    "schema",
+    "decoding",
+    "config",
+    "config_changes",
+    "config_files",
+    "config_reference",
+    "files",
+    "progress",
+}
 
 
 def wing_of(module: str) -> str:

@@ -21,7 +21,8 @@ import sentencepiece as spm
 import yaml
 
 from seq2seq.checkpoint import BEST, LAST, Checkpoint, numbered_checkpoints, run_checkpoint
-from seq2seq.config import Config, architecture_differences, config_differences, run_defining_differences
+from seq2seq.config import Config
+from seq2seq.config_changes import architecture_differences, config_differences, run_defining_differences
 from seq2seq.data.prepare import TrainingData, prepare_training_data, read_split, stream_split
 from seq2seq.data.sources import corpus_identity
 from seq2seq.data.tokenizer import Tokenizer, load_or_train_tokenizer, saved_tokenizer_exists
@@ -102,7 +103,7 @@ class RunDir:
 
 
 def check_resumable(stored: Config, given: Config, run_dir: RunDir, *, data_recorded: bool) -> list[str]:
-    """A resumed run keeps what it trains (RUN_DEFINING_KEYS); other keys may change: one line for each
+    """A resumed run keeps what it trains (config_changes.RUN_DEFINING_KEYS); other keys may change: one line for each
     that did, for the trainer to log once it holds the run directory (its train.log is then its own).
     Where the checkpoint recorded its training text (`data_recorded`), data.train may name other files,
     a moved corpus: prepare_run then checks that they hold the same text."""
