@@ -17,6 +17,7 @@ import yaml
 from seq2seq.config import Config
 from seq2seq.decoding import DecodeConfig
 from seq2seq.errors import UserInputError
+from seq2seq.files import read_once
 from seq2seq.schema import build_dataclass, collect_problems
 
 
@@ -59,6 +60,8 @@ def _data_path_problem(path: Path, *, folder_allowed: bool) -> str:
         return "file not found"
     if path.is_dir() and not folder_allowed:
         return "is a directory; expected a text file"
+    if read_once(path):  # training reads its data more than once: a pipe read again is empty, or waits forever
+        return "is a pipe or device, which can be read only once; expected a regular file"
     return ""
 
 

@@ -3,7 +3,8 @@
 An output path is checked before minutes of translation or training are spent on its content; a
 file is written to a temporary name in the same folder, flushed to disk and renamed, so a crash or a
 full disk never leaves half a file under the real name, and a failed write removes its temporary
-file instead of leaving it to hold the space a retry needs.
+file instead of leaving it to hold the space a retry needs. Of the files it reads, one fact decides
+how: a stream (a pipe) can be read only once (read_once).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import contextlib
 import os
 import shutil
 import socket
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -103,3 +105,23 @@ def save_png(figure, path: str | Path) -> None:
     """A matplotlib figure as a PNG, written atomically like every file seq2seq writes."""
     with atomic_write(path) as handle:
         figure.savefig(handle, format="png", dpi=110)
+
+
+def read_once(path: str | Path) -> bool:
+    """Whether `path` is a stream that can be read only once rather than a regular file: a pipe (the
+    shell's process substitution, `-i <(zcat corpus.gz)`, hands a command /dev/fd/N), a named pipe, a
+    terminal, /dev/stdin. Work that reads its input twice (a check of every line, then the work) must
+    read such a stream once, as it reads stdin: the second read would find it empty."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
+
+
+def input_problem(path: str | Path) -> str | None:
+    """Why `path` cannot be read as a text file ("file not found", "is a directory"), or None: a
+    regular file or a stream (read_once)."""
+    if os.path.isdir(path):
+        return "is a directory"
+    return None if os.path.exists(path) else "file not found"

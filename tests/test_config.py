@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -86,6 +87,20 @@ def test_missing_data_file_is_named(tmp_path, tiny_data):
     raw["data"]["valid"]["tgt"] = str(tmp_path / "nope.xx")
     path = write(tmp_path, raw)
     assert error_of(path) == f"{path}: data.valid.tgt: file not found: {tmp_path / 'nope.xx'}"
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="named pipes are POSIX")
+def test_a_pipe_as_training_data_is_refused_before_it_is_read(tmp_path, tiny_data):
+    """Training reads its data more than once (the tokenizer, the encoding): a pipe's second read hung
+    the run after its tokenizer was trained. Refused when the config is read; nothing opens the pipe."""
+    os.mkfifo(tmp_path / "pipe.en")
+    raw = tiny_config_dict(tiny_data)
+    raw["data"]["train"]["src"] = str(tmp_path / "pipe.en")
+    path = write(tmp_path, raw)
+    assert error_of(path) == (
+        f"{path}: data.train.src: is a pipe or device, which can be read only once; expected a regular file: "
+        f"{tmp_path / 'pipe.en'}"
+    )
 
 
 def test_missing_required_section(tmp_path):

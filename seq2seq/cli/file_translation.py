@@ -20,7 +20,7 @@ from tqdm import tqdm
 from seq2seq.data.sources import chunked, decode_lines, read_lines
 from seq2seq.decoding import DecodeConfig
 from seq2seq.errors import UserInputError
-from seq2seq.files import atomic_write, check_new_file
+from seq2seq.files import atomic_write, check_new_file, input_problem, read_once
 from seq2seq.inference.admission import Names
 from seq2seq.inference.engine import Translation
 from seq2seq.inference.glossary import Glossary, constraint_fields, merged_constraints
@@ -45,10 +45,13 @@ class LineGuides:
     def check(self) -> Glossary | None:
         """Fail on a missing file or a bad glossary line before anything is loaded; the glossary."""
         for option, path in (("--prefix", self.prefixes), ("--constraints", self.constraints)):
-            if path is not None and not path.is_file():
-                problem = "is a directory" if path.is_dir() else "file not found"
+            if path is not None and (problem := input_problem(path)):
                 raise UserInputError(f"{option} {path}: {problem}; expected a text file with one line per input line")
         return Glossary.load(self.glossary) if self.glossary is not None else None
+
+    def read_once(self) -> bool:
+        """Whether a prefix or constraints file is a stream (data.sources.read_once)."""
+        return any(path is not None and read_once(path) for path in (self.prefixes, self.constraints))
 
     def check_spelling(self, glossary: Glossary, translator: Translator) -> None:
         """A glossary term the target vocabulary cannot spell: one line naming its line in the glossary."""
@@ -101,8 +104,7 @@ def translate_file(
     """`seq2seq translate`: `model` is a checkpoint, a run directory, an exported directory or a list of
     checkpoints (an ensemble); `source` and `output` are paths or "-" (stdin, stdout). With n-best > 1 each line
     becomes `index ||| text ||| score` lines. Returns the attention plots written, if asked for."""
-    if source != "-" and not Path(source).is_file():
-        problem = "is a directory" if Path(source).is_dir() else "file not found"
+    if source != "-" and (problem := input_problem(source)):
         raise UserInputError(f"{source}: {problem}; expected a text file with one sentence per line (or - for stdin)")
     if output != "-":
         check_new_file(output)
@@ -121,7 +123,9 @@ def translate_file(
     if glossary is not None:
         guides.check_spelling(glossary, translator)
     names = guides.names(source)
-    if source != "-" and (guided or translator.max_positions is not None):  # a line it would refuse: before any work
+    # a line it would refuse: named before any work, where the input can be read twice (not stdin or a pipe)
+    rereadable = source != "-" and not read_once(source) and not guides.read_once()
+    if rereadable and (guided or translator.max_positions is not None):
         _check_whole_input(translator, decode, source, guides, glossary, names)
     lines_in = decode_lines(sys.stdin.buffer, "<stdin>") if source == "-" else read_lines(source)
     rows = guides.aligned(lines_in)
@@ -171,30 +175,50 @@ def score_file(
 ) -> None:
     """`seq2seq score-pairs`: one line per pair, `score<TAB>log-probability<TAB>pieces` (with
     per_token, a fourth column: each piece's log-probability, EOS last), in input order; the files are
-    counted before the model is loaded and read a chunk at a time."""
-    counts = [sum(1 for _ in read_lines(path)) for path in (src, tgt)]
-    if counts[0] != counts[1]:
-        raise UserInputError(f"{tgt}: has {counts[1]} lines but {src} has {counts[0]}; expected one target per source")
+    counted before the model is loaded and read a chunk at a time. A stream (a pipe: read_once) is read
+    once, as it comes: its count and the pairs the model would refuse are found as it is scored."""
+    for path in (src, tgt):
+        if problem := input_problem(path):
+            raise UserInputError(f"{path}: {problem}; expected a text file with one sentence per line")
+    rereadable = not (read_once(src) or read_once(tgt))
+    count = None
+    if rereadable:
+        count, targets = (sum(1 for _ in read_lines(path)) for path in (src, tgt))
+        if count != targets:
+            raise UserInputError(f"{tgt}: has {targets} lines but {src} has {count}; expected one target per source")
     if output != "-":
         check_new_file(output)
     translator = Translator.load(model, device=device)
     decode = translator.settings(decode_overrides)
     names = Names(line=f"{src} and {tgt}, line {{number}}")
-    if translator.max_positions is not None:  # a pair it would refuse: before any work
-        for chunk, first in _numbered(chunked(zip(read_lines(src), read_lines(tgt)), FILE_CHUNK_LINES)):
+    if rereadable and translator.max_positions is not None:  # a pair it would refuse: before any work
+        for chunk, first in _numbered(chunked(_pairs(src, tgt), FILE_CHUNK_LINES)):
             translator.plan_scoring(
                 [s for s, _ in chunk], [t for _, t in chunk], names=dataclasses.replace(names, first=first)
             )
-    pairs = chunked(zip(read_lines(src), read_lines(tgt)), FILE_CHUNK_LINES)
+    pairs = chunked(_pairs(src, tgt), FILE_CHUNK_LINES)
     with (
         _output(output) as sink,
-        progress_bar(total=counts[0], desc="score", unit="pair", enabled=output != "-") as bar,
+        progress_bar(total=count, desc="score", unit="pair", enabled=output != "-") as bar,
     ):
         for chunk in pairs:  # the bar moves batch by batch: a chunk is up to FILE_CHUNK_LINES pairs
             scored = translator.score_with([s for s, _ in chunk], [t for _, t in chunk], decode, progress=bar.update)
             for pair in scored:
                 extra = "\t" + " ".join(f"{value:.4f}" for value in pair.log_probs) if per_token else ""
                 sink.write(f"{pair.score:.4f}\t{pair.log_prob:.4f}\t{len(pair.log_probs)}{extra}\n")
+
+
+def _pairs(src: Path, tgt: Path) -> Iterator[tuple[str, str]]:
+    """The files' lines side by side; one that ends before the other is an error naming both."""
+    sources, targets = read_lines(src), read_lines(tgt)
+    for number in itertools.count(1):
+        source, target = next(sources, None), next(targets, None)
+        if source is None and target is None:
+            return
+        if source is None or target is None:
+            short, long = (src, tgt) if source is None else (tgt, src)
+            raise UserInputError(f"{short}: ends before line {number} of {long}; expected one target per source")
+        yield source, target
 
 
 @contextlib.contextmanager

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import socket
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -203,6 +207,61 @@ def test_translate_with_prefixes_constraints_a_glossary_and_an_ensemble(trained_
     sampled = invoke("translate", "-c", checkpoint, "-i", tmp_path / "in.en", "--constraints",
                      tmp_path / "constraints.txt", "--set", "decode.sample=true")  # fmt: skip
     assert_user_error(sampled, "constraints need beam search")
+
+
+@contextlib.contextmanager
+def piped(path: Path, text: str) -> Iterator[Path]:
+    """`path` as a named pipe that a writer fills with `text` once a reader opens it: what a command
+    is handed for the shell's process substitution, `--src <(zcat corpus.gz)`."""
+    os.mkfifo(path)
+
+    def write() -> None:
+        with open(path, "w", encoding="utf-8") as pipe:  # returns once the command opens it
+            pipe.write(text)
+
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
+    try:
+        yield path
+    finally:
+        if writer.is_alive():  # the command never opened it: a reader here lets the writer finish
+            with open(path, encoding="utf-8") as reader:
+                reader.read()
+        writer.join()
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="named pipes are POSIX")
+def test_pipes_as_inputs_are_read_once_and_give_the_files_results(trained_run, tmp_path):
+    """A pipe can be read once: translate and score-pairs read it as they read stdin, where they read
+    a file twice (a check of every line, then the work). score-pairs printed nothing and exited 0 when
+    its second read found the pipes empty; translate called a pipe "file not found"."""
+    _, _, run_dir, data = trained_run
+    checkpoint = run_dir / "checkpoints" / "last.pt"
+    src, tgt = data / "test.en", data / "test.xx"
+    with piped(tmp_path / "src", src.read_text(encoding="utf-8")) as source:
+        translated = invoke("translate", "-c", checkpoint, "-i", source, "--beam", "2")
+    assert translated.exit_code == 0, translated.output
+    assert translated.stdout == invoke("translate", "-c", checkpoint, "-i", src, "--beam", "2").stdout
+    scored_files = invoke("score-pairs", "-c", checkpoint, "--src", src, "--tgt", tgt)
+    assert scored_files.exit_code == 0 and len(scored_files.stdout.splitlines()) == 30
+    with (
+        piped(tmp_path / "s", src.read_text(encoding="utf-8")) as source,
+        piped(tmp_path / "t", tgt.read_text(encoding="utf-8")) as target,
+    ):
+        scored = invoke("score-pairs", "-c", checkpoint, "--src", source, "--tgt", target)
+    assert scored.exit_code == 0 and scored.stdout == scored_files.stdout
+    short = "".join(line + "\n" for line in tgt.read_text(encoding="utf-8").splitlines()[:29])
+    with piped(tmp_path / "short", short) as target:
+        refused = invoke("score-pairs", "-c", checkpoint, "--src", src, "--tgt", target)
+    assert_user_error(refused, "short: ends before line 30 of", "expected one target per source")
+    prefixes = "la\n" + "\n" * 29
+    (tmp_path / "prefixes.txt").write_text(prefixes, encoding="utf-8")
+    with piped(tmp_path / "prefixes", prefixes) as piped_prefixes:
+        guided = invoke("translate", "-c", checkpoint, "-i", src, "--prefix", piped_prefixes)
+    assert guided.exit_code == 0, guided.output
+    assert (
+        guided.stdout == invoke("translate", "-c", checkpoint, "-i", src, "--prefix", tmp_path / "prefixes.txt").stdout
+    )
 
 
 def test_eval_prints_signatures_and_writes_json(trained_run, tmp_path):
