@@ -66,6 +66,7 @@ def train(
     """
     from seq2seq.config_files import load_config
     from seq2seq.training.distributed import leave_worker, shutdown_distributed
+    from seq2seq.training.run_dir import RunDir
     from seq2seq.training.trainer import Trainer
 
     cfg = load_config(config, overrides or [])  # validated once here, before any process is launched
@@ -76,7 +77,11 @@ def train(
         result = Trainer(cfg, directory, resume=resume is not None, show_progress=not quiet).run()
     except (KeyboardInterrupt, Terminated) as stop:  # the command that continues this run, for the boundary's line
         again = " with the same --set options" if overrides else ""
-        stop.hint = f"the last checkpoint is kept: continue with `seq2seq train {config} --resume {directory}`{again}"
+        if RunDir(directory).has_checkpoints():
+            stop.hint = f"the last checkpoint is kept: continue with `seq2seq train {config} --resume {directory}`"
+        else:  # stopped while it prepared its data or tokenizer: there is nothing to resume yet
+            stop.hint = f"no checkpoint yet: start again with `seq2seq train {config} --run-dir {directory}`"
+        stop.hint += again
         raise
     finally:
         shutdown_distributed()

@@ -64,7 +64,7 @@ class RunDir:
         for path in (self.root, *self.root.parents):
             if path.exists() and not path.is_dir():
                 raise UserInputError(f"{path}: is a file; expected a run directory (or a path where one can be made)")
-        existing = bool(numbered_checkpoints(self.checkpoints))
+        existing = self.has_checkpoints()
         if resume and not existing:
             raise UserInputError(f"--resume: {self.checkpoints} has no checkpoint to resume from")
         if existing and not resume:
@@ -97,6 +97,10 @@ class RunDir:
         """Temporary files a killed process left half-written (files.temporary_path names them .NAME.tmp-HOST-PID)."""
         for folder in (self.root, self.checkpoints, self.tokenizer):
             remove_stale_temporaries(folder)
+
+    def has_checkpoints(self) -> bool:
+        """Whether a run can resume from here (numbered checkpoints saved)."""
+        return bool(numbered_checkpoints(self.checkpoints))
 
     def latest_checkpoint(self) -> Path:
         return numbered_checkpoints(self.checkpoints)[-1]

@@ -583,18 +583,31 @@ def test_sigterm_ends_a_translation_without_a_half_written_output(trained_checkp
 
 
 def test_an_interrupted_command_says_what_it_leaves(trained_checkpoint, tiny_config_file, tmp_path, monkeypatch):
-    """Ctrl-C: a training keeps its last checkpoint and says how to go on; a translation has nothing
-    half-written to tell of (it said "the last checkpoint is kept", as if it were a training)."""
+    """Ctrl-C: a training keeps its last checkpoint and says how to go on, or, stopped before its first
+    one, how to start again (it said to --resume, which then found nothing to resume from); a
+    translation has nothing half-written to tell of (it said "the last checkpoint is kept", as if it
+    were a training)."""
     from seq2seq.inference import pytorch_engine
     from seq2seq.training.trainer import Trainer
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
+    def interrupted_after_a_save(trainer):
+        trainer._save()
+        raise KeyboardInterrupt
+
     monkeypatch.setattr(pytorch_engine.PyTorchEngine, "translate", interrupted)
-    monkeypatch.setattr(Trainer, "run", interrupted)
     translation = invoke("translate", "-c", trained_checkpoint[0], input="the cat\n")
     assert translation.exit_code == 130 and translation.stderr.splitlines()[-1] == "interrupted"
+    monkeypatch.setattr(Trainer, "run", interrupted)
+    early = invoke("train", tiny_config_file, "--run-dir", tmp_path / "early", "--set", "train.max_steps=9")
+    assert early.exit_code == 130
+    assert early.stderr.splitlines()[-1] == (
+        f"interrupted; no checkpoint yet: start again with `seq2seq train {tiny_config_file} --run-dir "
+        f"{tmp_path / 'early'}` with the same --set options"
+    )
+    monkeypatch.setattr(Trainer, "run", interrupted_after_a_save)
     training = invoke("train", tiny_config_file, "--run-dir", tmp_path / "run", "--set", "train.max_steps=9")
     assert training.exit_code == 130
     assert training.stderr.splitlines()[-1] == (
