@@ -600,17 +600,13 @@ def test_an_interrupted_command_says_what_it_leaves(trained_checkpoint, tiny_con
     monkeypatch.setattr(pytorch_engine.PyTorchEngine, "translate", interrupted)
     translation = invoke("translate", "-c", trained_checkpoint[0], input="the cat\n")
     assert translation.exit_code == 130 and translation.stderr.splitlines()[-1] == "interrupted"
-    monkeypatch.setattr(Trainer, "run", interrupted)
-    early = invoke("train", tiny_config_file, "--run-dir", tmp_path / "early", "--set", "train.max_steps=9")
-    assert early.exit_code == 130
-    assert early.stderr.splitlines()[-1] == (
-        f"interrupted; no checkpoint yet: start again with `seq2seq train {tiny_config_file} --run-dir "
-        f"{tmp_path / 'early'}` with the same --set options"
-    )
-    monkeypatch.setattr(Trainer, "run", interrupted_after_a_save)
-    training = invoke("train", tiny_config_file, "--run-dir", tmp_path / "run", "--set", "train.max_steps=9")
-    assert training.exit_code == 130
-    assert training.stderr.splitlines()[-1] == (
-        f"interrupted; the last checkpoint is kept: continue with `seq2seq train {tiny_config_file} --resume "
-        f"{tmp_path / 'run'}` with the same --set options"
-    )
+    train = f"seq2seq train {tiny_config_file}"
+    for run, stop, hint in (
+        ("early", interrupted, f"no checkpoint yet: start again with `{train} --run-dir {tmp_path / 'early'}`"),
+        ("saved", interrupted_after_a_save, f"the last checkpoint is kept: continue with `{train} --resume "
+                                            f"{tmp_path / 'saved'}`"),
+    ):  # fmt: skip
+        monkeypatch.setattr(Trainer, "run", stop)
+        training = invoke("train", tiny_config_file, "--run-dir", tmp_path / run, "--set", "train.max_steps=9")
+        assert training.exit_code == 130
+        assert training.stderr.splitlines()[-1] == f"interrupted; {hint} with the same --set options"
