@@ -50,7 +50,7 @@ class LineGuides:
         return Glossary.load(self.glossary) if self.glossary is not None else None
 
     def read_once(self) -> bool:
-        """Whether a prefix or constraints file is a stream (data.sources.read_once)."""
+        """Whether a prefix or constraints file is a stream (files.read_once)."""
         return any(path is not None and read_once(path) for path in (self.prefixes, self.constraints))
 
     def check_spelling(self, glossary: Glossary, translator: Translator) -> None:
