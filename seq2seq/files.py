@@ -37,9 +37,11 @@ def check_writable(path: str | Path, *, what: str = "output file") -> None:
 
 def check_new_file(path: str | Path, *, what: str = "output file") -> None:
     """check_writable, and refuse a path that exists: a command never replaces a file it did not make
-    (`-o` naming the command's own input, a checkpoint, /dev/null, which the atomic rename would
-    replace with a regular file)."""
+    (`-o` naming the command's own input, a checkpoint). A stream (read_once: /dev/null, /dev/stdout,
+    a pipe such as `-o >(gzip > out.gz)`) is written into as it comes (atomic_write): nothing is replaced."""
     path = Path(path)
+    if read_once(path):
+        return
     if path.exists() and not path.is_dir():
         raise UserInputError(f"{path}: already exists; expected a new {what} (delete it or choose another path)")
     check_writable(path, what=what)
@@ -81,8 +83,14 @@ def _running(pid: int) -> bool:
 @contextlib.contextmanager
 def atomic_write(path: str | Path) -> Iterator[BinaryIO]:
     """A binary handle whose content replaces `path` only when the block completes; on any failure the
-    temporary file is deleted and `path` is left as it was. A killed writer's leftovers for `path` go first."""
+    temporary file is deleted and `path` is left as it was. A killed writer's leftovers for `path` go first.
+    A stream (read_once) is written directly: it has no folder to rename in, and its reader takes what
+    comes (the rename would have replaced /dev/null with a regular file)."""
     path = Path(path)
+    if read_once(path):
+        with open(path, "wb") as handle:
+            yield handle
+        return
     remove_stale_temporaries(path.parent, path.name)
     tmp = temporary_path(path)
     try:

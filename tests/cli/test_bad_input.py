@@ -3,7 +3,6 @@ what was expected, exit code 2, no traceback, found before the expensive work, a
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -98,15 +97,6 @@ def _eval_test(world: Paths, *options) -> list:
     return ["eval", "-c", world.checkpoint, "--src", world.data / "test.en", "--ref", world.data / "test.xx", *options]
 
 
-def _named_pipe(world: Paths) -> Path:
-    """A path that is not a regular file, as /dev/null is: the atomic rename would replace it with
-    one (it did replace /dev/null, run as root, before outputs had to be new)."""
-    pipe = world.root / "pipe"
-    if not pipe.exists():
-        os.mkfifo(pipe)
-    return pipe
-
-
 UNSPELLABLE = "\ua66e\ua66e"  # ꙮꙮ: a script the tiny model's target vocabulary never saw
 
 
@@ -178,8 +168,6 @@ CASES = {
         not_created=lambda w: [w.root / "glossary.out"]),
     "translate -o its own input": Case(lambda w: ["translate", "-c", w.checkpoint, "-i", w.file, "-o", w.file],
                                        lambda w: [str(w.file), "already exists", "expected a new output file"]),
-    "translate -o a named pipe": Case(lambda w: ["translate", "-c", w.checkpoint, "-o", _named_pipe(w)],
-                                      lambda w: [f"{w.root / 'pipe'}: already exists"], input="a cat\n"),
     "translate --attention-plot over earlier plots": Case(
         lambda w: ["translate", "-c", w.checkpoint, "--attention-plot", _folder_with_plots(w)],
         lambda w: [str(w.root / "plots"), "attention_2.png already exists"], input="a cat\n"),

@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -262,6 +263,38 @@ def test_pipes_as_inputs_are_read_once_and_give_the_files_results(trained_run, t
     assert (
         guided.stdout == invoke("translate", "-c", checkpoint, "-i", src, "--prefix", tmp_path / "prefixes.txt").stdout
     )
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="named pipes are POSIX")
+def test_an_output_that_is_a_pipe_or_device_is_written_into_not_replaced(trained_run, tmp_path):
+    """`-o /dev/null`, `-o >(gzip > out.gz)`: a stream takes the output as it comes. Outputs are written
+    to a temporary file and renamed into place, which would replace the device or pipe with a regular
+    file (it once replaced /dev/null), so streams were refused as "already exists"."""
+    _, _, run_dir, data = trained_run
+    checkpoint = run_dir / "checkpoints" / "last.pt"
+    expected = invoke("translate", "-c", checkpoint, "-i", data / "test.en", "--beam", "1").stdout
+    pipe, received = tmp_path / "out", []
+    os.mkfifo(pipe)
+
+    def read() -> None:
+        with open(pipe, encoding="utf-8") as reader:  # returns once the command opens it to write
+            received.append(reader.read())
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        result = invoke("translate", "-c", checkpoint, "-i", data / "test.en", "--beam", "1", "-o", pipe)
+    finally:
+        if reader.is_alive() and not received:  # the command never opened it: a writer here lets the reader end
+            with open(pipe, "w", encoding="utf-8"):
+                pass
+        reader.join()
+    assert result.exit_code == 0, result.output
+    assert received == [expected] and stat.S_ISFIFO(os.stat(pipe).st_mode)
+    scored = invoke("score-pairs", "-c", checkpoint, "--src", data / "test.en", "--tgt", data / "test.xx",
+                    "-o", os.devnull)  # fmt: skip
+    assert scored.exit_code == 0, scored.output
+    assert stat.S_ISCHR(os.stat(os.devnull).st_mode)
 
 
 def test_eval_prints_signatures_and_writes_json(trained_run, tmp_path):
