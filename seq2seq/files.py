@@ -40,7 +40,7 @@ def check_new_file(path: str | Path, *, what: str = "output file") -> None:
     (`-o` naming the command's own input, a checkpoint). A stream (read_once: /dev/null, /dev/stdout,
     a pipe such as `-o >(gzip > out.gz)`) is written into as it comes (atomic_write): nothing is replaced."""
     path = Path(path)
-    if read_once(path):
+    if written_as_it_comes(path):
         return
     if path.exists() and not path.is_dir():
         raise UserInputError(f"{path}: already exists; expected a new {what} (delete it or choose another path)")
@@ -84,11 +84,12 @@ def _running(pid: int) -> bool:
 def atomic_write(path: str | Path) -> Iterator[BinaryIO]:
     """A binary handle whose content replaces `path` only when the block completes; on any failure the
     temporary file is deleted and `path` is left as it was. A killed writer's leftovers for `path` go first.
-    A stream (read_once) is written directly: it has no folder to rename in, and its reader takes what
-    comes (the rename would have replaced /dev/null with a regular file)."""
+    A stream (written_as_it_comes) is written directly, appended to: it has no folder to rename in,
+    its reader takes what comes (the rename would have replaced /dev/null with a regular file), and a
+    file the shell opened for it (`-o /dev/stdout >> log.txt`) keeps what it held."""
     path = Path(path)
-    if read_once(path):
-        with open(path, "wb") as handle:
+    if written_as_it_comes(path):
+        with open(path, "ab") as handle:
             yield handle
         return
     remove_stale_temporaries(path.parent, path.name)
@@ -133,3 +134,15 @@ def input_problem(path: str | Path) -> str | None:
     if os.path.isdir(path):
         return "is a directory"
     return None if os.path.exists(path) else "file not found"
+
+
+# Paths that name a descriptor the process was handed, whatever it leads to (a terminal, a pipe, or
+# the file a shell redirected it to: `-o /dev/stdout > out.txt`).
+OWN_DESCRIPTORS = ("/dev/stdout", "/dev/stderr", "/dev/fd/", "/proc/self/fd/")
+
+
+def written_as_it_comes(path: str | Path) -> bool:
+    """Whether an output path is a stream to write into rather than a file to replace: a pipe or device
+    (read_once), or one of this process's own descriptors (OWN_DESCRIPTORS)."""
+    name = str(path)
+    return read_once(path) or name in OWN_DESCRIPTORS[:2] or name.startswith(OWN_DESCRIPTORS[2:])

@@ -267,9 +267,10 @@ def test_pipes_as_inputs_are_read_once_and_give_the_files_results(trained_run, t
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="named pipes are POSIX")
 def test_an_output_that_is_a_pipe_or_device_is_written_into_not_replaced(trained_run, tmp_path):
-    """`-o /dev/null`, `-o >(gzip > out.gz)`: a stream takes the output as it comes. Outputs are written
-    to a temporary file and renamed into place, which would replace the device or pipe with a regular
-    file (it once replaced /dev/null), so streams were refused as "already exists"."""
+    """`-o /dev/null`, `-o >(gzip > out.gz)`, `-o /dev/stdout >> log.txt`: a stream takes the output as
+    it comes. Outputs are written to a temporary file and renamed into place, which would replace the
+    device or pipe with a regular file (it once replaced /dev/null), so streams were refused as
+    "already exists", and so was the file a shell opened for the command's own stdout."""
     _, _, run_dir, data = trained_run
     checkpoint = run_dir / "checkpoints" / "last.pt"
     expected = invoke("translate", "-c", checkpoint, "-i", data / "test.en", "--beam", "1").stdout
@@ -295,6 +296,13 @@ def test_an_output_that_is_a_pipe_or_device_is_written_into_not_replaced(trained
                     "-o", os.devnull)  # fmt: skip
     assert scored.exit_code == 0, scored.output
     assert stat.S_ISCHR(os.stat(os.devnull).st_mode)
+    log = tmp_path / "log.txt"  # `-o /dev/stdout >> log.txt`: a descriptor the shell opened on a file
+    log.write_text("kept\n", encoding="utf-8")
+    with open(log, "ab") as redirected:
+        result = invoke("translate", "-c", checkpoint, "-i", data / "test.en", "--beam", "1", "-o",
+                        f"/dev/fd/{redirected.fileno()}")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert log.read_text(encoding="utf-8") == "kept\n" + expected
 
 
 def test_eval_prints_signatures_and_writes_json(trained_run, tmp_path):
