@@ -137,12 +137,13 @@ def input_problem(path: str | Path) -> str | None:
 
 
 # Paths that name a descriptor the process was handed, whatever it leads to (a terminal, a pipe, or
-# the file a shell redirected it to: `-o /dev/stdout > out.txt`).
-OWN_DESCRIPTORS = ("/dev/stdout", "/dev/stderr", "/dev/fd/", "/proc/self/fd/")
+# the file a shell redirected it to: `-o /dev/stdout > out.txt`): these, and any under those folders.
+OWN_OUTPUTS = ("/dev/stdout", "/dev/stderr")
+OWN_DESCRIPTOR_FOLDERS = ("/dev/fd/", "/proc/self/fd/")
 
 
 def written_as_it_comes(path: str | Path) -> bool:
     """Whether an output path is a stream to write into rather than a file to replace: a pipe or device
-    (read_once), or one of this process's own descriptors (OWN_DESCRIPTORS)."""
+    (read_once), or one of this process's own descriptors."""
     name = str(path)
-    return read_once(path) or name in OWN_DESCRIPTORS[:2] or name.startswith(OWN_DESCRIPTORS[2:])
+    return read_once(path) or name in OWN_OUTPUTS or name.startswith(OWN_DESCRIPTOR_FOLDERS)
