@@ -7,8 +7,9 @@ TorchDispatchMode, which sees every ATen op the forward and backward passes disp
   the implicit ones too: an elementwise op given inputs of two floating dtypes (fp32 += bf16) casts
   the other one into a temporary inside the op, which no dispatched op shows;
 - matrix products (mm, addmm, bmm, baddbmm, oneDNN's linear layer, ...) and their FLOPs;
-- the bytes every other op reads and writes (its tensor inputs and outputs): the memory traffic of
-  what is not a matrix product, which is the step's work when matrix products are nearly free.
+- the bytes every other op reads and writes (its tensor inputs and outputs; a factory such as
+  zeros_like only its output, an allocation such as empty_like none): the memory traffic of what is
+  not a matrix product, which is the step's work when matrix products are nearly free.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from torch.utils._pytree import tree_flatten
 
 from seq2seq.model.cpu_linear import bf16_products_unwidened
 
-MATMULS = {"mm", "addmm", "bmm", "baddbmm", "_addmm_activation"}
+MATMULS = {"mm", "addmm", "addmm_", "bmm", "baddbmm", "baddbmm_", "_addmm_activation"}  # out.addmm_: in place
 LINEARS = {"_linear_pointwise"}  # oneDNN's linear layer (model/cpu_linear.py): x, weight (out, in), bias
 ATTENTION = ("scaled_dot_product", "flash_attention", "efficient_attention", "_fused_sdp")
 CONVERSIONS = {"_to_copy", "copy_", "to", "_autocast_to_reduced_precision", "_autocast_to_full_precision"}
@@ -33,6 +34,8 @@ VIEWS = {"view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand
 # Ops that make a tensor like their input without reading it: another dtype there is no conversion.
 FACTORIES = {"empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like", "new_empty",
              "new_zeros", "new_ones", "new_full", "new_empty_strided"}  # fmt: skip
+# Ops that only reserve memory: the op that first writes it is the one that moves its bytes.
+ALLOCATIONS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
 
 
 @dataclasses.dataclass
@@ -59,6 +62,13 @@ def _tensors(tree) -> list[torch.Tensor]:
 
 def _bytes(tensors: list[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _moved(name: str, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> int:
+    """The bytes an op that is not a product reads and writes: an allocation none, a factory its output."""
+    if name in ALLOCATIONS:
+        return 0
+    return _bytes(outputs) + (0 if name in FACTORIES else _bytes(inputs))
 
 
 class _Counting(TorchDispatchMode):
@@ -105,7 +115,7 @@ class _Counting(TorchDispatchMode):
             census.conversion_bytes += sum(t.numel() * outputs[0].element_size() + _bytes([t]) for t in implicit)
             census.conversions_by_op[f"{name} (implicit)"] += len(implicit)
         census.other_ops += 1
-        moved = _bytes(inputs) + _bytes(outputs)
+        moved = _moved(name, inputs, outputs)
         census.other_bytes += moved
         census.by_op[name] += moved
         return out

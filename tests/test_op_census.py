@@ -62,3 +62,23 @@ def test_bf16_products_count_unwidened_where_the_cpu_has_no_bf16_kernels(monkeyp
     assert layer(x).grad_fn.name() == "_FusedLinearBackward"  # outside the census: widened
     census = take_census(linear_step(layer, x, None))
     assert census.conversions == 2 and census.matmuls == 2
+
+
+def test_a_product_added_in_place_counts_as_a_matrix_product():
+    """out.addmm_(a, b), as the output layer's loss adds up its weight gradient chunk by chunk, is a
+    product of a's and b's FLOPs, not an elementwise op's bytes."""
+    out, a, b = torch.zeros(32, 8), torch.randn(32, 16), torch.randn(16, 8)
+    in_place = take_census(lambda: out.addmm_(a, b))
+    fresh = take_census(lambda: torch.addmm(out, a, b))
+    assert in_place.matmuls == fresh.matmuls == 1
+    assert in_place.matmul_flops == fresh.matmul_flops == 2 * 32 * 16 * 8
+    assert in_place.other_bytes == fresh.other_bytes == 0
+
+
+def test_memory_allocated_and_not_yet_written_moves_no_bytes():
+    """empty_like and new_empty reserve memory; the op that fills it is the one that moves its bytes."""
+    x = torch.randn(64, 32)
+    allocated = take_census(lambda: (torch.empty_like(x), x.new_empty(64, 32), torch.empty(64, 32)))
+    zeroed = take_census(lambda: torch.zeros_like(x))  # zeros_like writes every byte
+    assert allocated.other_bytes == 0
+    assert zeroed.other_bytes == 64 * 32 * 4
