@@ -25,7 +25,9 @@ from torch.utils._pytree import tree_flatten
 from seq2seq.model.cpu_linear import bf16_products_unwidened
 
 MATMULS = {"mm", "addmm", "addmm_", "bmm", "baddbmm", "baddbmm_", "_addmm_activation"}  # out.addmm_: in place
-LINEARS = {"_linear_pointwise"}  # oneDNN's linear layer (model/cpu_linear.py): x, weight (out, in), bias
+# oneDNN's linear layer, and what stands for it where the CPU has no bf16 kernels (model/cpu_linear.py):
+# x, weight (out, in), bias
+LINEARS = {"_linear_pointwise", "emulated_linear_pointwise"}
 ATTENTION = ("scaled_dot_product", "flash_attention", "efficient_attention", "_fused_sdp")
 CONVERSIONS = {"_to_copy", "copy_", "to", "_autocast_to_reduced_precision", "_autocast_to_full_precision"}
 VIEWS = {"view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "slice", "select", "unsqueeze",

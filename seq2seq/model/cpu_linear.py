@@ -20,7 +20,8 @@ the layer widen the bf16 operands to fp32 (exactly: every bf16 value is an fp32 
 the fp32 rate and round the result to bf16 once, which is what a bf16 unit that accumulates in fp32
 computes (oneDNN's AVX-512 and AMX kernels, and PyTorch's emulation itself); only the order of the
 additions may differ. The op census counts products as a CPU with bf16 kernels runs them
-(`bf16_products_unwidened`), so that its figures stay the same on every machine.
+(`bf16_products_unwidened`), so that its figures stay the same on every machine: the layer is then
+one op there too, PyTorch's emulated product with the bias and ReLU inside it, as oneDNN's holds them.
 """
 
 from __future__ import annotations
@@ -58,8 +59,7 @@ def _fused(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
         and x.dim() == 2
         and x.dtype == weight.dtype == torch.bfloat16
         and (bias is None or bias.dtype == torch.bfloat16)
-        and not torch.compiler.is_compiling()  # first: the compiler need not trace the cached ask below
-        and (onednn_runs_bf16() or _widening.get())  # else F.linear's emulation (the op census)
+        and not torch.compiler.is_compiling()
     )
 
 
@@ -105,11 +105,13 @@ def mm(a: Tensor, b: Tensor, *, out: Tensor | None = None) -> Tensor:
 class _FusedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, relu: bool) -> Tensor:
-        if not onednn_runs_bf16():  # widened (module docstring)
+        if onednn_runs_bf16():
+            out = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "relu" if relu else "none", [], "")
+        elif _widening.get():  # module docstring
             out = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
             out = (F.relu(out, inplace=True) if relu else out).to(x.dtype)
-        else:
-            out = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "relu" if relu else "none", [], "")
+        else:  # the op census here: one op where oneDNN's would be
+            out = emulated_linear_pointwise(x, weight, bias, relu)
         ctx.save_for_backward(x, weight, out if relu else None)
         ctx.relu = relu
         return out
@@ -122,6 +124,14 @@ class _FusedLinear(torch.autograd.Function):
         grad_x = mm(grad, weight) if wants_x else None
         grad_weight = mm(grad.t(), x) if wants_weight else None
         return grad_x, grad_weight, grad_bias, None
+
+
+@torch.library.custom_op("seq2seq::emulated_linear_pointwise", mutates_args=())
+def emulated_linear_pointwise(x: Tensor, weight: Tensor, bias: Tensor | None, relu: bool) -> Tensor:
+    """oneDNN's `_linear_pointwise` computed by PyTorch's own (on AVX2, emulated) bf16 product: one
+    dispatched op, so that the op census sees this layer as a CPU with bf16 kernels runs it."""
+    out = F.linear(x, weight, bias)
+    return out.relu_() if relu else out
 
 
 def _relu_and_bias_gradients(grad: Tensor, relu_out: Tensor | None, wants_bias: bool) -> tuple[Tensor, Tensor | None]:

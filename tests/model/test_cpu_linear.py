@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from seq2seq.model import cpu_linear
 from seq2seq.model.cpu_linear import linear, onednn_runs_bf16
@@ -92,14 +93,32 @@ def test_without_bf16_kernels_products_run_in_fp32_and_round_once(without_bf16_k
     torch.testing.assert_close(b.grad, passed.sum(0).bfloat16(), rtol=8e-3, atol=1e-2)  # PyTorch's own column sums
 
 
-def test_without_bf16_kernels_the_census_sees_pytorchs_products(without_bf16_kernels):
-    """bf16_products_unwidened (the op census): F.linear and torch.mm in bf16, no conversion."""
+@pytest.mark.parametrize("relu", [True, False])
+def test_without_bf16_kernels_the_census_sees_pytorchs_products(without_bf16_kernels, relu):
+    """bf16_products_unwidened (the op census): PyTorch's bf16 products, no conversion, and the layer
+    one op with its bias and ReLU inside, as oneDNN's is where the CPU has bf16 kernels."""
     (x, weight, b), _ = _inputs(True)
-    with cpu_linear.bf16_products_unwidened():
-        out = linear(x, weight, b)
+    with cpu_linear.bf16_products_unwidened(), DispatchedOps() as dispatched:
+        out = linear(x, weight, b, relu=relu)
         product = cpu_linear.mm(x, weight.t())
-    assert out.grad_fn.name() == "AddmmBackward0" and torch.equal(out, F.linear(x, weight, b))
+    assert dispatched.names == ["emulated_linear_pointwise", "mm"]
+    assert out.grad_fn.name() == "_FusedLinearBackward"
+    expected = F.linear(x, weight, b)
+    assert torch.equal(out, F.relu(expected) if relu else expected)
     assert torch.equal(product, torch.mm(x, weight.t()))
+
+
+class DispatchedOps(TorchDispatchMode):
+    """The names of the ATen (and custom) ops dispatched while it is on, views left out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view:
+            self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
 
 
 def test_fp32_takes_f_linear():
