@@ -25,7 +25,8 @@ demo: install
 	$(BIN)/seq2seq demo
 
 # One pytest process per core; a test module stays in one process, so its shared fixtures are made once.
-PYTEST := $(BIN)/python -m pytest -q -n auto --dist loadscope
+# Modules go out in the order tests/conftest.py puts them (those that train first), not by test count.
+PYTEST := $(BIN)/python -m pytest -q -n auto --dist loadscope --no-loadscope-reorder
 
 test: install
 	$(PYTEST)

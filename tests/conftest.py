@@ -15,6 +15,15 @@ from seq2seq.data.demo_data import make_demo_corpus
 from seq2seq.model.cpu_kernels import SWITCH, cpu_kernels
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The modules that train (any test marked slow) first, each kept whole and in place otherwise.
+
+    `make test` hands whole modules to its processes in this order (--dist loadscope): a module that
+    trains for minutes, handed out last, left the other processes idle while it ran."""
+    training = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in training)
+
+
 def write_pairs(directory: Path, split: str, pairs: list[tuple[str, str]]) -> tuple[Path, Path]:
     src, tgt = directory / f"{split}.en", directory / f"{split}.xx"
     src.write_text("".join(s + "\n" for s, _ in pairs), encoding="utf-8")
