@@ -149,10 +149,12 @@ JsonOption = Annotated[
 
 
 def _score_options(metrics: str, tokenize: str | None, lowercase: bool):
-    from seq2seq.evaluation.scoring import ScoreOptions
+    from seq2seq.evaluation.scoring import ScoreOptions, metrics_for
 
     names = tuple(name.strip().lower() for name in metrics.split(",") if name.strip())
-    return ScoreOptions(metrics=names, tokenize=tokenize, lowercase=lowercase)
+    options = ScoreOptions(metrics=names, tokenize=tokenize, lowercase=lowercase)
+    metrics_for(options)  # a tokenizer sacrebleu cannot set up here: one line, before any translation
+    return options
 
 
 @app.command("eval")

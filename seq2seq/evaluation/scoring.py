@@ -8,8 +8,9 @@ Every score carries sacrebleu's signature, which is what makes it comparable acr
 
 from __future__ import annotations
 
+import contextlib
 import gzip
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -96,14 +97,33 @@ def score(
             )
     hypotheses, references = list(hypotheses), [list(r) for r in references]
     results = []
-    for name in options.metrics:
-        metric = _metric(name, options)
-        try:
+    for metric in metrics_for(options):
+        with _tokenizer_problems(options):
             result = metric.corpus_score(hypotheses, references)
-        except (ImportError, RuntimeError, OSError) as error:  # e.g. ja-mecab without its package
-            raise UserInputError(f"--tokenize {options.tokenize}: sacrebleu cannot use it here ({error})") from None
         results.append(MetricScore(result.name, result.score, str(metric.get_signature()), _details(result)))
     return Scores(tuple(results), len(hypotheses), len(references))
+
+
+def metrics_for(options: ScoreOptions) -> list:
+    """sacrebleu's metric objects for `options`. Making them is where sacrebleu sets up a BLEU tokenizer
+    (imports ja-mecab's package, downloads flores200's model on first use), so a command that
+    translates before it scores asks for them first: a tokenizer it cannot set up is one line, then."""
+    with _tokenizer_problems(options):
+        return [_metric(name, options) for name in options.metrics]
+
+
+@contextlib.contextmanager
+def _tokenizer_problems(options: ScoreOptions) -> Iterator[None]:
+    """sacrebleu's failure to set up or run a BLEU tokenizer here, as one line for the user."""
+    try:
+        yield
+    except (ImportError, RuntimeError, OSError) as error:  # a missing package; a download without network
+        if options.tokenize is None:  # sacrebleu's default tokenizer needs nothing: not the user's to mend
+            raise
+        reason = " ".join(str(error).split())  # sacrebleu's messages span lines
+        if isinstance(error, OSError):  # flores101/200 and spm fetch their model on first use
+            reason = f"what it downloads or reads for it failed: {reason}"
+        raise UserInputError(f"--tokenize {options.tokenize}: sacrebleu cannot use it here ({reason})") from None
 
 
 def _metric(name: str, options: ScoreOptions):

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.error import URLError
 
 import pytest
 import yaml
@@ -387,6 +388,41 @@ def test_a_missing_extra_is_one_line_naming_what_to_install(world: Paths, monkey
         f"pip install 'seq2seq[{extra}]'"
     ]
     assert not (world.root / "exported").exists()
+
+
+@pytest.mark.parametrize(
+    ("tokenize", "failure", "reason"),
+    [("ja-mecab", RuntimeError("\nJapanese tokenization needs more.\n\n    pip install sacrebleu[ja]\n"),
+      "(Japanese tokenization needs more. pip install sacrebleu[ja])"),
+     ("flores200", URLError("[Errno -2] Name or service not known"),
+      "(what it downloads or reads for it failed: <urlopen error [Errno -2] Name or service not known>)")],
+)  # fmt: skip
+@pytest.mark.parametrize("command", ["eval", "score"])
+def test_a_bleu_tokenizer_sacrebleu_cannot_set_up_is_one_line_before_any_translation(
+    world: Paths, monkeypatch, command, tokenize, failure, reason
+):
+    """ja-mecab without its package, flores200 whose model sacrebleu downloads on first use (here with
+    no network): sacrebleu raises as it makes the metric; eval says so before it translates a line."""
+    from sacrebleu.metrics import bleu
+
+    def unusable(name):
+        def make():
+            raise failure
+
+        return make
+
+    def translated(*args, **kwargs):
+        raise AssertionError("the model was loaded before the scoring was checked")
+
+    monkeypatch.setattr(bleu, "_get_tokenizer", unusable)
+    monkeypatch.setattr("seq2seq.inference.translator.Translator.load", translated)
+    model = ["-c", world.checkpoint, "--src", world.data / "test.en"] if command == "eval" else []
+    hypotheses = [] if command == "eval" else ["--hyp", world.data / "test.xx"]
+    args = [command, *model, *hypotheses, "--ref", world.data / "test.xx", "--tokenize", tokenize]
+    result = runner.invoke(app, [str(arg) for arg in args])
+    assert result.exit_code == 2, result.output
+    [line] = result.stderr.splitlines()
+    assert line.startswith(f"error: --tokenize {tokenize}: sacrebleu cannot use it here") and reason in line
 
 
 def test_version_and_completion():
