@@ -39,6 +39,15 @@ def budget_spent(progress: Progress, config: TrainConfig, *, batches_per_epoch: 
     return min(spent, 1.0)
 
 
+def peak_share_reached(config: TrainConfig) -> float:
+    """The share of its peak the learning rate reaches by max_steps: below 1 where a warmup over
+    warmup_steps outlasts the run (a run cut short for a quick try, its warmup left as it was). Every
+    schedule, noam's too, rises linearly until warmup_steps."""
+    if config.warmup_fraction or config.warmup_steps <= config.max_steps:
+        return 1.0
+    return config.max_steps / config.warmup_steps
+
+
 def learning_rate(
     step: int, config: TrainConfig, *, d_model: int, spent: float = 0.0, decay_start: float = 0.0
 ) -> float:

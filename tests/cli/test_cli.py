@@ -129,7 +129,7 @@ def test_validation_is_logged_to_stderr_and_train_log_and_quiet_silences_stderr(
     logged = (run_dir / "train.log").read_text()
     assert "step 15: valid loss" in logged and "  hyp: " in logged
     result = invoke("--quiet", "train", config, "--run-dir", tmp_path / "quiet", "--set", "train.max_steps=2",
-                    "--set", "train.valid_every=1")  # fmt: skip
+                    "--set", "train.valid_every=1", "--set", "train.warmup_steps=2")  # fmt: skip
     assert result.exit_code == 0, result.output
     assert result.stdout.startswith("stopped after 2 steps")  # the result, on stdout
     assert result.stderr == ""  # --quiet: only warnings and errors, and there were none

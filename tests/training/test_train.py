@@ -133,6 +133,21 @@ def test_a_resumed_run_records_what_changed_in_its_train_log(tmp_path, tiny_data
     assert "resume: train.max_steps changed from 2 to 4" in (tmp_path / "run" / "train.log").read_text()
 
 
+@pytest.mark.parametrize(("warmup", "said"), [(8, "rises to 25% of its peak"), (2, None)])
+def test_a_warmup_longer_than_the_run_is_said_at_its_start(tmp_path, tiny_data, caplog, warmup, said):
+    """A run cut to fewer updates than its warmup (max_steps lowered for a quick try, warmup_steps
+    left) never reaches train.lr: the log says so before the first update, not after a wasted run."""
+    caplog.set_level(logging.INFO, logger="seq2seq")
+    make_trainer(tmp_path, tiny_data, max_steps=2, warmup_steps=warmup, save_every=2, valid_every=100).run()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "warmup" in r.getMessage()]
+    if said is None:
+        assert warnings == []
+    else:
+        assert len(warnings) == 1 and said in warnings[0] and "train.warmup_steps (8)" in warnings[0]
+        said_at = [r.getMessage() for r in caplog.records].index(warnings[0])
+        assert "effective batch" in caplog.records[said_at - 1].getMessage()  # with the run's opening lines
+
+
 def test_a_run_resumes_on_its_pairs_moved_or_reformatted_and_refuses_other_pairs(tmp_path, tiny_data, caplog):
     """data.train's files may move (another machine, another mount) or change format: the resumed run
     holds the same pairs and is the uninterrupted one. Other pairs, even at the run's own paths, are
