@@ -138,12 +138,17 @@ def test_a_warmup_longer_than_the_run_is_said_at_its_start(tmp_path, tiny_data, 
     """A run cut to fewer updates than its warmup (max_steps lowered for a quick try, warmup_steps
     left) never reaches train.lr: the log says so before the first update, not after a wasted run."""
     caplog.set_level(logging.INFO, logger="seq2seq")
-    make_trainer(tmp_path, tiny_data, max_steps=2, warmup_steps=warmup, save_every=2, valid_every=100).run()
+    trainer = make_trainer(tmp_path, tiny_data, max_steps=2, warmup_steps=warmup, save_every=2, log_every=1,
+                           valid_every=100)  # fmt: skip
+    trainer.run()
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "warmup" in r.getMessage()]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    last_rate = [r["lr"] for r in records if r["kind"] == "train"][-1] / trainer.config.train.lr
     if said is None:
-        assert warnings == []
+        assert warnings == [] and last_rate == 1.0
     else:
         assert len(warnings) == 1 and said in warnings[0] and "train.warmup_steps (8)" in warnings[0]
+        assert last_rate == pytest.approx(0.25)  # what the warning said: the run's last update
         said_at = [r.getMessage() for r in caplog.records].index(warnings[0])
         assert "effective batch" in caplog.records[said_at - 1].getMessage()  # with the run's opening lines
 
