@@ -39,13 +39,17 @@ def budget_spent(progress: Progress, config: TrainConfig, *, batches_per_epoch: 
     return min(spent, 1.0)
 
 
-def peak_share_reached(config: TrainConfig) -> float:
-    """The share of its peak the learning rate reaches by max_steps: below 1 where a warmup over
-    warmup_steps outlasts the run (a run cut short for a quick try, its warmup left as it was). Every
-    schedule, noam's too, rises linearly until warmup_steps."""
+def warmup_outlasting_the_run(config: TrainConfig) -> str | None:
+    """What a run cut short for a quick try, its warmup left as it was, should be told: its learning
+    rate never reaches its peak (every schedule, noam's too, rises linearly until warmup_steps). None
+    where the warmup ends within max_steps."""
     if config.warmup_fraction or config.warmup_steps <= config.max_steps:
-        return 1.0
-    return config.max_steps / config.warmup_steps
+        return None
+    return (
+        f"train.warmup_steps ({config.warmup_steps}) outlasts train.max_steps ({config.max_steps}): the learning "
+        f"rate rises to {config.max_steps / config.warmup_steps:.0%} of its peak and the run ends before it "
+        "gets there; fewer warmup_steps (or warmup_fraction) reach it"
+    )
 
 
 def learning_rate(

@@ -36,7 +36,7 @@ from seq2seq.training.run_dir import RunDir, check_resumable, fine_tuning_start,
 from seq2seq.training.run_log import LogWindow, MetricsLog, PeakRss, log_to_file, memory_figures
 from seq2seq.training.run_state import RANK_SEED_STRIDE, RunState
 from seq2seq.training.run_validations import RunValidations
-from seq2seq.training.schedule import budget_spent, learning_rate, peak_share_reached
+from seq2seq.training.schedule import budget_spent, learning_rate, warmup_outlasting_the_run
 from seq2seq.training.train_step import (
     SkippedUpdates,
     StepResult,
@@ -245,14 +245,8 @@ class Trainer:
             tc.accum_steps,
             tc.max_tokens * per_update,
         )
-        if (reached := peak_share_reached(tc)) < 1.0:
-            log.warning(
-                "train.warmup_steps (%d) outlasts train.max_steps (%d): the learning rate rises to %.0f%% of its "
-                "peak and the run ends before it gets there; fewer warmup_steps (or warmup_fraction) reach it",
-                tc.warmup_steps,
-                tc.max_steps,
-                100 * reached,
-            )
+        if warning := warmup_outlasting_the_run(tc):
+            log.warning(warning)
 
     def _update(self, corpus, group: list, *, batches_per_epoch: int) -> tuple[StepResult, int]:
         """One optimizer update on this rank's share of `group` (the batches of every rank): its
