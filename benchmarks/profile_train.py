@@ -7,8 +7,8 @@ three times on Transformer-base, README, GPU), then profiles --profile-steps mor
 torch.profiler. A step whose wall time is well over its device busy time is bound by the host
 (Python and kernel launches), one close to it by the device's kernels; the table of ops by device
 time says which. The op census (op_census.py) adds what does not depend on the machine: dtype
-conversions per step and the bytes moved by ops that are not matrix products. Runs on the GPU when
-there is one, else on the CPU (no device time there).
+conversions per step and the bytes moved by ops that are not matrix products, in all and by op.
+Runs on the GPU when there is one, else on the CPU (no device time there).
 
     python benchmarks/profile_train.py --model base --max-tokens 16000 --precision bf16          # on a GPU
     python benchmarks/profile_train.py --model base --max-tokens 16000 --precision bf16 --compile --warmup 60
@@ -87,7 +87,8 @@ def profile_size(args) -> list[str]:
         synchronize()
     events = trace.key_averages()
     per_step = len(profiled)
-    census = take_census(lambda: [step(batch) for batch in profiled]).per_step(per_step)
+    counted = take_census(lambda: [step(batch) for batch in profiled])
+    census = counted.per_step(per_step)
     # the device's kernels, summed as torch.profiler's table sums them
     kernels = [e for e in events if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
     busy = sum(e.self_device_time_total for e in kernels) / per_step / 1e3
@@ -100,6 +101,9 @@ def profile_size(args) -> list[str]:
     print(f"  {wall * 1e3:.1f} ms/step, {tokens / len(timed) / wall:,.0f} target tokens/s, "
           f"{flops / len(timed) / wall / 1e12:.1f} model TFLOP/s")  # fmt: skip
     print("  per step, whatever the machine (op census): " + ", ".join(f"{v:,.1f} {k}" for k, v in census.items()))
+    print("  MB moved by other ops, per step, the largest:")
+    for name, moved in counted.by_op.most_common(args.rows):
+        print(f"    {name:<34} {moved / per_step / 1e6:8.1f} MB {moved / max(counted.other_bytes, 1):6.1%}")
     if DEVICE.type == "cuda":
         print(f"  device busy {busy:.1f} ms/step ({busy / (wall * 1e3):.0%} of the wall time), "
               f"{launches:,.0f} kernel launches/step (profiled steps)")  # fmt: skip
