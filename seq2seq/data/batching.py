@@ -83,13 +83,31 @@ def token_batches(lengths: np.ndarray, *, max_tokens: int, order_noise: np.ndarr
     return batches
 
 
+def pair_lengths(corpus: EncodedCorpus, rows: np.ndarray | None = None) -> np.ndarray:
+    """Each pair's length as batches count it: its longer side, the target with its EOS."""
+    return np.maximum(corpus.src.lengths(rows), corpus.tgt.lengths(rows) + 1)
+
+
+def over_the_budget(corpus: EncodedCorpus, max_tokens: int) -> str | None:
+    """What a run should be told when some pairs alone are longer than max_tokens (fairseq refuses
+    them): each is a batch of its own, over the budget. None where every pair fits."""
+    lengths = pair_lengths(corpus)
+    over = int((lengths > max_tokens).sum())
+    if not over:
+        return None
+    return (
+        f"train.max_tokens ({max_tokens}) is below the length of {over:,} training pairs (the longest "
+        f"{int(lengths.max())} tokens): each of them is a batch of its own, over train.max_tokens"
+    )
+
+
 def epoch_batches(
     corpus: EncodedCorpus, *, max_tokens: int, seed: int, epoch: int, rows: np.ndarray | None = None
 ) -> list[np.ndarray]:
     """The training batches of one epoch, in a shuffled order fixed by (seed, epoch): of every pair of
     `corpus`, or of the pairs `rows` lists (weighted_rows: some more than once, some not at all)."""
     rng = np.random.default_rng([seed, epoch])
-    lengths = np.maximum(corpus.src.lengths(rows), corpus.tgt.lengths(rows) + 1)
+    lengths = pair_lengths(corpus, rows)
     batches = token_batches(lengths, max_tokens=max_tokens, order_noise=rng.random(len(lengths)))
     if rows is not None:
         batches = [rows[batch] for batch in batches]

@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from seq2seq.checkpoint import LAST, Checkpoint, Progress, save_numbered
 from seq2seq.config import Config
-from seq2seq.data.batching import epoch_batches, make_batch
+from seq2seq.data.batching import epoch_batches, make_batch, over_the_budget
 from seq2seq.errors import UserInputError
 from seq2seq.progress import progress_bar
 from seq2seq.training.distributed import setup_distributed
@@ -245,8 +245,9 @@ class Trainer:
             tc.accum_steps,
             tc.max_tokens * per_update,
         )
-        if warning := warmup_outlasting_the_run(tc):
-            log.warning(warning)
+        for warning in (over_the_budget(self.state.data.train, tc.max_tokens), warmup_outlasting_the_run(tc)):
+            if warning:
+                log.warning(warning)
 
     def _update(self, corpus, group: list, *, batches_per_epoch: int) -> tuple[StepResult, int]:
         """One optimizer update on this rank's share of `group` (the batches of every rank): its

@@ -13,6 +13,7 @@ import torch
 
 from seq2seq.checkpoint import Checkpoint
 from seq2seq.config_files import config_from_dict
+from seq2seq.data.batching import epoch_batches, pair_lengths
 from seq2seq.errors import UserInputError
 from seq2seq.training.trainer import Trainer
 
@@ -151,6 +152,28 @@ def test_a_warmup_longer_than_the_run_is_said_at_its_start(tmp_path, tiny_data, 
         assert last_rate == pytest.approx(0.25)  # what the warning said: the run's last update
         said_at = [r.getMessage() for r in caplog.records].index(warnings[0])
         assert "effective batch" in caplog.records[said_at - 1].getMessage()  # with the run's opening lines
+
+
+@pytest.mark.parametrize(("max_tokens", "some_over"), [(12, True), (2048, False)])
+def test_pairs_longer_than_max_tokens_are_said_at_the_start(tmp_path, tiny_data, caplog, max_tokens, some_over):
+    """A pair alone longer than train.max_tokens is a batch of its own, over it (fairseq refuses it):
+    the opening lines say how many there are and how long the longest is, which is the largest batch
+    the run then trains on."""
+    caplog.set_level(logging.WARNING, logger="seq2seq")
+    trainer = make_trainer(tmp_path, tiny_data, max_steps=1, max_tokens=max_tokens, valid_every=100)
+    trainer.run()
+    warnings = [r.getMessage() for r in caplog.records if "train.max_tokens" in r.getMessage()]
+    corpus = trainer.state.data.train
+    batches = epoch_batches(corpus, max_tokens=max_tokens, seed=0, epoch=1)
+    largest = max(len(batch) * int(pair_lengths(corpus, batch).max()) for batch in batches)
+    assert (largest > max_tokens) == some_over
+    if not some_over:
+        assert warnings == []
+    else:
+        alone = sum(len(batch) == 1 and int(pair_lengths(corpus, batch).max()) > max_tokens for batch in batches)
+        assert warnings == [f"train.max_tokens ({max_tokens}) is below the length of {alone:,} training pairs "
+                            f"(the longest {largest} tokens): each of them is a batch of its own, over "
+                            "train.max_tokens"]  # fmt: skip
 
 
 def test_a_run_resumes_on_its_pairs_moved_or_reformatted_and_refuses_other_pairs(tmp_path, tiny_data, caplog):
