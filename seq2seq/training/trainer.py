@@ -245,9 +245,10 @@ class Trainer:
             tc.accum_steps,
             tc.max_tokens * per_update,
         )
-        for warning in (over_the_budget(self.state.data.train, tc.max_tokens), warmup_outlasting_the_run(tc)):
-            if warning:
-                log.warning(warning)
+        if self.dist.is_main:  # every rank's stderr shows warnings (cli.boundary): said once, by rank 0
+            for warning in (over_the_budget(self.state.data.train, tc.max_tokens), warmup_outlasting_the_run(tc)):
+                if warning:
+                    log.warning(warning)
 
     def _update(self, corpus, group: list, *, batches_per_epoch: int) -> tuple[StepResult, int]:
         """One optimizer update on this rank's share of `group` (the batches of every rank): its

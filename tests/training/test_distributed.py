@@ -25,7 +25,7 @@ from ..conftest import tiny_config_dict
 pytestmark = pytest.mark.slow
 
 
-def train(config: Path, run_dir: Path, *extra: str) -> None:
+def train(config: Path, run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
     where = ["--resume", str(run_dir)] if "--resume" in extra else ["--run-dir", str(run_dir)]
     command = [sys.executable, "-m", "seq2seq", "train", str(config), "--quiet", *where]
     command += [arg for arg in extra if arg != "--resume"]
@@ -35,6 +35,7 @@ def train(config: Path, run_dir: Path, *extra: str) -> None:
     # the workers end without the interpreter's teardown (distributed.leave_worker): rank 0's buffered
     # result line still arrives, once
     assert result.stdout.count("steps (max_steps") == 1, result.stdout
+    return result
 
 
 def final_parameters(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -58,8 +59,9 @@ def test_two_ranks_equal_one_process_with_the_same_global_batch(tmp_path, config
     (training/working_copy.py), whose gradients it averages before they are handed to the masters."""
     untie = ["--set", "model.share_embeddings=false", "--set", "model.tie_output=false"] if untied else []
     untie += ["--set", f"train.precision={precision}"]
-    train(config, tmp_path / "ddp", "--nproc", "2", *untie)
+    ddp_run = train(config, tmp_path / "ddp", "--nproc", "2", *untie)
     train(config, tmp_path / "single", "--set", "train.accum_steps=2", *untie)
+    assert ddp_run.stderr.count("outlasts train.max_steps") == 1  # every rank shows warnings; rank 0 says this
     ddp, single = final_parameters(tmp_path / "ddp"), final_parameters(tmp_path / "single")
     for name, tensor in single.items():
         torch.testing.assert_close(ddp[name], tensor, atol=1e-6, rtol=0, msg=name)
