@@ -26,7 +26,7 @@ from torch import Tensor
 
 from seq2seq.data.special_tokens import BOS_ID
 from seq2seq.model.execution import Memory, Rows
-from seq2seq.model.layers import memory_keys_values
+from seq2seq.model.layers import memory_keys_values, stack_input
 from seq2seq.model.transformer import Seq2SeqTransformer
 
 LENGTH_STEP = 32  # buffers hold a multiple of this many positions; they double when a search outgrows them
@@ -105,9 +105,11 @@ class DecoderStep:
             cache.self_v.copy_(cache.self_v.index_select(0, self.gather))
         rows = Rows(self.rows, 1)
         x = rows.flatten(model.embed(model.tgt_embed, self.tokens, self.position))
-        for layer, cache in zip(model.decoder_layers, self.layers):
-            x = layer(x, rows, (cache.cross_k, cache.cross_v), self.src_mask, cache)
-        return model.output_proj(model.decoder_norm(x))
+        layers = list(model.decoder_layers)
+        (x, h), next_norms = stack_input(x, layers, model.decoder_norm, pre_norm=model.pre_norm)
+        for layer, cache, next_norm in zip(layers, self.layers, next_norms):
+            x, h = layer(x, h, rows, (cache.cross_k, cache.cross_v), self.src_mask, cache, next_norm)
+        return model.output_proj(h)
 
     def capture(self, pool) -> None:
         """Record `forward` as a CUDA graph (after warm-up runs on a side stream, as PyTorch requires)."""

@@ -1,16 +1,18 @@
-// Post-norm's residual connection, LayerNorm(x + dropout(y)), in one pass over its rows forward and
-// one backward (dropout.dropout_add_norm says when it runs).
+// A residual connection and a LayerNorm of its sum, x + dropout(y) and LayerNorm(x + dropout(y)), in
+// one pass over its rows forward and one backward (dropout.py says when it runs): post-norm's residual
+// connection, whose output is the LayerNorm, and a pre-norm block's, whose output is the sum and whose
+// next sublayer reads the LayerNorm of it.
 //
 // PyTorch runs it as dropout_add (one pass), LayerNorm (one more), and backward LayerNorm's (reading
-// the gradient and the sum, writing the sum's gradient, and its weight's sums) then dropout's (one more
-// pass over the sum's gradient). Here a row's sum, statistics and gradient stay in the core's cache.
-// The dropout mask is dropout_add's: the same key gives the same mask, forward and backward.
+// the gradient and the sum, writing the sum's gradient, and its weight's sums), pre-norm's addition
+// of the sum's own gradient (one more), then dropout's (one more pass over the sum's gradient). Here a
+// row's sum, statistics and gradient stay in the core's cache. The dropout mask is dropout_add's: the
+// same key gives the same mask, forward and backward.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
-#include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
@@ -87,13 +89,14 @@ void forward_rows(const T* x, const T* y, const T* weight, const T* bias, T* sum
   }
 }
 
-// grad_x = the sum's gradient, rstd (g w - mean(g w) - xhat mean(g w xhat)); grad_y = grad_x dropped
-// and scaled by the forward pass's mask; the weight's and bias's gradients added into partial sums.
-// g is grad, plus more (null: none) where the output's two uses sent a gradient each.
+// grad_x = the sum's gradient, rstd (g w - mean(g w) - xhat mean(g w xhat)) + the sum's own gradient
+// (`direct`, null: none); grad_y = grad_x dropped and scaled by the forward pass's mask; the weight's and
+// bias's gradients added into partial sums. g is grad, plus more (null: none) where the normalised
+// output's two uses sent a gradient each.
 template <typename T>
-void backward_rows(const T* grad, const T* more, const T* sum, const float* stats, const T* weight, T* grad_x,
-                   T* grad_y, float* weight_sums, float* bias_sums, int64_t begin, int64_t end, int64_t width,
-                   uint64_t seed, uint32_t dropped_below, float scale) {
+void backward_rows(const T* grad, const T* more, const T* direct, const T* sum, const float* stats, const T* weight,
+                   T* grad_x, T* grad_y, float* weight_sums, float* bias_sums, int64_t begin, int64_t end,
+                   int64_t width, uint64_t seed, uint32_t dropped_below, float scale) {
   RowBits draws;
   std::vector<float> normed(width), scaled(width);
   float* xhat = normed.data();
@@ -117,7 +120,8 @@ void backward_rows(const T* grad, const T* more, const T* sum, const float* stat
     const uint16_t* bits = draws.draw(seed, at, width);
 #pragma omp simd
     for (int64_t c = 0; c < width; ++c) {
-      const float g_sum = rounded<T>(inverse_std * (gw[c] - mean_gw - xhat[c] * mean_gw_xhat));
+      const float through_norm = inverse_std * (gw[c] - mean_gw - xhat[c] * mean_gw_xhat);
+      const float g_sum = rounded<T>(direct ? through_norm + load(direct[at + c]) : through_norm);
       store(grad_x + at + c, g_sum);
       store(grad_y + at + c, bits[c] >= dropped_below ? g_sum * scale : 0.0f);
     }
@@ -179,16 +183,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dropout_add_norm(const at::Tensor
   return {out, sum, stats};
 }
 
-// (grad_x, grad_y, grad_weight, grad_bias) of dropout_add_norm, from the gradient of its output: grad,
-// plus `more` where given (the gradient of the output's second use, added as it is read, where autograd
-// would first add the two in a pass of its own).
+// (grad_x, grad_y, grad_weight, grad_bias) of dropout_add_norm, from the gradient of its normalised
+// output: grad, plus `more` where given (the gradient of that output's second use, post-norm's); and
+// from the gradient of the sum itself where given (`direct`, a pre-norm block's output). Each is added
+// as it is read, where autograd would first add them in a pass of its own.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dropout_add_norm_backward(
-    const at::Tensor& grad, const std::optional<at::Tensor>& more, const at::Tensor& sum, const at::Tensor& stats,
-    const at::Tensor& weight, const at::Tensor& seed, int64_t dropped_below, double scale) {
+    const at::Tensor& grad, const std::optional<at::Tensor>& more, const std::optional<at::Tensor>& direct,
+    const at::Tensor& sum, const at::Tensor& stats, const at::Tensor& weight, const at::Tensor& seed,
+    int64_t dropped_below, double scale) {
   TORCH_CHECK(sum.device().is_cpu() && sum.is_contiguous() && sum.dim() >= 1, "sum: a contiguous CPU tensor");
   TORCH_CHECK(sum.scalar_type() == at::kFloat || sum.scalar_type() == at::kBFloat16, "sum: fp32 or bf16");
   check_rows(grad, sum, "grad");
   if (more.has_value()) check_rows(*more, sum, "more");
+  if (direct.has_value()) check_rows(*direct, sum, "direct");
   check_vector(weight, sum, "weight");
   const Draw draw = check_draw(seed, dropped_below, scale);
   const int64_t width = sum.size(-1), rows = sum.numel() / width, tasks = (rows + kRowsPerTask - 1) / kRowsPerTask;
@@ -203,22 +210,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dropout_add_norm_back
       float* sums = partial.data() + task * 2 * width;
       if (sum.scalar_type() == at::kBFloat16) {
         using T = c10::BFloat16;
-        backward_rows(grad.data_ptr<T>(), more.has_value() ? more->data_ptr<T>() : nullptr, sum.data_ptr<T>(),
-                      stats.data_ptr<float>(), weight.data_ptr<T>(), grad_x.data_ptr<T>(), grad_y.data_ptr<T>(), sums,
-                      sums + width, begin, end, width, draw.seed, draw.dropped_below, draw.scale);
+        backward_rows(grad.data_ptr<T>(), more.has_value() ? more->data_ptr<T>() : nullptr,
+                      direct.has_value() ? direct->data_ptr<T>() : nullptr, sum.data_ptr<T>(), stats.data_ptr<float>(),
+                      weight.data_ptr<T>(), grad_x.data_ptr<T>(), grad_y.data_ptr<T>(), sums, sums + width, begin, end,
+                      width, draw.seed, draw.dropped_below, draw.scale);
       } else {
         backward_rows(grad.data_ptr<float>(), more.has_value() ? more->data_ptr<float>() : nullptr,
-                      sum.data_ptr<float>(), stats.data_ptr<float>(), weight.data_ptr<float>(),
+                      direct.has_value() ? direct->data_ptr<float>() : nullptr, sum.data_ptr<float>(),
+                      stats.data_ptr<float>(), weight.data_ptr<float>(),
                       grad_x.data_ptr<float>(), grad_y.data_ptr<float>(), sums, sums + width, begin, end, width,
                       draw.seed, draw.dropped_below, draw.scale);
       }
     }
   });
-  at::Tensor totals = at::zeros({2, width}, sum.options().dtype(at::kFloat));
-  float* total = totals.data_ptr<float>();
+  std::vector<float> totals(static_cast<size_t>(2 * width), 0.0f);
   for (int64_t task = 0; task < tasks; ++task)
-    for (int64_t c = 0; c < 2 * width; ++c) total[c] += partial[task * 2 * width + c];
-  at::Tensor weight_and_bias = totals.to(weight.scalar_type());
+    for (int64_t c = 0; c < 2 * width; ++c) totals[c] += partial[task * 2 * width + c];
+  // stored in the weight's dtype as they are written: a cast of its own would be one more op a step
+  at::Tensor weight_and_bias = at::empty({2, width}, weight.options());
+  if (weight.scalar_type() == at::kBFloat16) {
+    c10::BFloat16* out = weight_and_bias.data_ptr<c10::BFloat16>();
+    for (int64_t c = 0; c < 2 * width; ++c) store(out + c, totals[c]);
+  } else {
+    std::copy(totals.begin(), totals.end(), weight_and_bias.data_ptr<float>());
+  }
   return {grad_x, grad_y, weight_and_bias[0], weight_and_bias[1]};
 }
 
@@ -227,8 +242,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dropout_add_norm_back
 TORCH_LIBRARY_FRAGMENT(seq2seq_cpu, m) {
   m.def("dropout_add_norm(Tensor x, Tensor y, Tensor seed, int dropped_below, float scale, Tensor weight,"
         " Tensor bias, float eps) -> (Tensor, Tensor, Tensor)");
-  m.def("dropout_add_norm_backward(Tensor grad, Tensor? more, Tensor sum, Tensor stats, Tensor weight, Tensor seed,"
-        " int dropped_below, float scale) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("dropout_add_norm_backward(Tensor grad, Tensor? more, Tensor? direct, Tensor sum, Tensor stats, Tensor weight,"
+        " Tensor seed, int dropped_below, float scale) -> (Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(seq2seq_cpu, CPU, m) {

@@ -14,8 +14,9 @@ Where the fused CPU kernels are built (cpu_kernels.py), drawing the bits, maskin
 the residual connection's addition, `dropout_add`) are one pass over memory, where they were four
 or five: the bits come from a counter-based generator keyed by one draw from PyTorch's generator per
 call, so the backward pass draws the same mask again from the key instead of keeping it. The masks
-differ from those of the PyTorch path; each path is reproducible from the seed. A post-norm layer's
-LayerNorm after the residual addition joins that pass too (`dropout_add_norm_for_two`).
+differ from those of the PyTorch path; each path is reproducible from the seed. The LayerNorm that
+reads the residual addition's sum joins that pass too: a post-norm block's own
+(`dropout_add_norm_for_two`), or in a pre-norm stack the next block's (`dropout_add_then_norm`).
 """
 
 from __future__ import annotations
@@ -56,11 +57,30 @@ def dropout_add_norm_for_two(
     kernels are built (cpu_residual_norm.cpp), with dropout_add's mask; there the two are views of one
     tensor, whose gradients reach the backward kernel apart and are added as it reads them: used as
     one tensor, autograd would add them first, a pass over the rows of its own."""
-    alike = residual.shape == x.shape and residual.dtype == x.dtype == norm.weight.dtype
-    if training and p > 0.0 and round(p * _LEVELS) < _LEVELS and alike and _fused(x) and _fused(residual):
-        return _FusedDropoutAddNorm.apply(residual, x, norm.weight, norm.bias, p, norm.eps)
+    if _norm_fuses(residual, x, norm, p, training):
+        return _FusedDropoutAddNorm.apply(residual, x, norm.weight, norm.bias, p, norm.eps, False)
     out = norm(dropout_add(residual, x, p, training=training))
     return out, out
+
+
+def dropout_add_then_norm(
+    residual: Tensor, x: Tensor, norm: nn.LayerNorm, p: float, *, training: bool
+) -> tuple[Tensor, Tensor]:
+    """(residual + dropout(x, p), norm of that sum): a pre-norm block's output and the input of the
+    sublayer after it, whose LayerNorm (the next block's, or the stack's last) reads the sum. In one
+    pass each way on a CPU where the fused kernels are built (cpu_residual_norm.cpp), with
+    dropout_add's mask; there the sum's two gradients, its own and the one through the LayerNorm, are
+    added as the kernel reads them, where autograd would add them in a pass of their own."""
+    if _norm_fuses(residual, x, norm, p, training):
+        return _FusedDropoutAddNorm.apply(residual, x, norm.weight, norm.bias, p, norm.eps, True)
+    out = dropout_add(residual, x, p, training=training)
+    return out, norm(out)
+
+
+def _norm_fuses(residual: Tensor, x: Tensor, norm: nn.LayerNorm, p: float, training: bool) -> bool:
+    """Whether residual + dropout(x, p) and its LayerNorm take cpu_residual_norm.cpp's kernel."""
+    alike = residual.shape == x.shape and residual.dtype == x.dtype == norm.weight.dtype
+    return training and p > 0.0 and round(p * _LEVELS) < _LEVELS and alike and _fused(x) and _fused(residual)
 
 
 def _fused(x: Tensor) -> bool:
@@ -157,33 +177,40 @@ class _FusedDropout(torch.autograd.Function):
 
 
 class _FusedDropoutAddNorm(torch.autograd.Function):
-    """LayerNorm(residual + dropout(x)) through cpu_residual_norm.cpp, returned as two views of one
-    tensor (dropout_add_norm_for_two); keeps the sum (which the PyTorch path keeps too, as LayerNorm's
-    input) and each row's mean and 1 / std."""
+    """The sum residual + dropout(x) and its LayerNorm through cpu_residual_norm.cpp: with `pre_norm`
+    the two (dropout_add_then_norm), else the LayerNorm as two views of one tensor
+    (dropout_add_norm_for_two). Keeps the sum (which the PyTorch path keeps too, as LayerNorm's input)
+    and each row's mean and 1 / std."""
 
     @staticmethod
     def forward(
-        ctx, residual: Tensor, x: Tensor, weight: Tensor, bias: Tensor, p: float, eps: float
+        ctx, residual: Tensor, x: Tensor, weight: Tensor, bias: Tensor, p: float, eps: float, pre_norm: bool
     ) -> tuple[Tensor, Tensor]:
-        ctx.set_materialize_grads(False)  # an unused view's gradient stays None, not a tensor of zeros
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None, not a tensor of zeros
         ctx.key = torch.empty((), dtype=torch.int64).random_(-(2**63), None)  # from the seeded generator
-        ctx.dropped_below, ctx.scale = round(p * _LEVELS), _scale(p)
+        ctx.dropped_below, ctx.scale, ctx.pre_norm = round(p * _LEVELS), _scale(p), pre_norm
         out, total, stats = cpu_kernels().dropout_add_norm(
             residual.contiguous(), x.contiguous(), ctx.key, ctx.dropped_below, ctx.scale, weight.contiguous(),
             bias.contiguous(), eps,
         )  # fmt: skip
         ctx.save_for_backward(total, stats, weight)
-        return out, out.view_as(out)
+        return (total, out) if pre_norm else (out, out.view_as(out))
 
     @staticmethod
-    def backward(ctx, grad: Tensor | None, more: Tensor | None) -> tuple[Tensor | None, ...]:
+    def backward(ctx, first: Tensor | None, second: Tensor | None) -> tuple[Tensor | None, ...]:
+        # the normalised output's gradient (two, post-norm's two uses) and the sum's own (pre-norm's)
+        grad, more, direct = (second, None, first) if ctx.pre_norm else (first, second, None)
         if grad is None:
             grad, more = more, None
         if grad is None:
-            return None, None, None, None, None, None
+            if direct is None:
+                return (None,) * 7
+            grad_x = cpu_kernels().dropout(direct.contiguous(), None, ctx.key, ctx.dropped_below, ctx.scale)
+            return direct, grad_x, None, None, None, None, None
         total, stats, weight = ctx.saved_tensors
         grad_residual, grad_x, grad_weight, grad_bias = cpu_kernels().dropout_add_norm_backward(
-            grad.contiguous(), None if more is None else more.contiguous(), total, stats, weight.contiguous(),
-            ctx.key, ctx.dropped_below, ctx.scale,
+            grad.contiguous(), None if more is None else more.contiguous(),
+            None if direct is None else direct.contiguous(), total, stats, weight.contiguous(), ctx.key,
+            ctx.dropped_below, ctx.scale,
         )  # fmt: skip
-        return grad_residual, grad_x, grad_weight, grad_bias, None, None
+        return grad_residual, grad_x, grad_weight, grad_bias, None, None, None

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from seq2seq.config import ModelConfig
 from seq2seq.model.cpu_attention import FlatKeysValues, column_blocks, flat_attention, flat_attention_applies
 from seq2seq.model.cpu_linear import Linear, linear
-from seq2seq.model.dropout import Dropout, dropout_add, dropout_add_norm_for_two
+from seq2seq.model.dropout import Dropout, dropout_add, dropout_add_norm_for_two, dropout_add_then_norm
 from seq2seq.model.execution import LayerCache, Memory, Rows, attention, attention_dtype, probabilities, split_heads
 
 
@@ -135,17 +135,20 @@ class Residual(nn.Module):
         self.pre_norm = pre_norm
 
     def forward(self, x: Tensor, sublayer) -> Tensor:
-        return self.for_two(x, x, sublayer)[0]
+        if self.pre_norm:
+            return dropout_add(x, sublayer(self.norm(x)), self.dropout.p, training=self.training)
+        return self.advance(x, x, sublayer, None)[0]
 
-    def for_two(self, x: Tensor, sublayer_input: Tensor, sublayer) -> tuple[Tensor, Tensor]:
-        """forward's output twice, for the next block's residual and its sublayer's input, given this
-        block's own two (the same values): post-norm's fused kernel then adds the two uses' gradients
-        as it reads them (dropout.dropout_add_norm_for_two)."""
+    def advance(self, x: Tensor, h: Tensor, sublayer, next_norm: nn.Module | None) -> tuple[Tensor, Tensor]:
+        """forward's output and the next sublayer's input, given this block's two: its input x and its
+        sublayer's h (pre-norm: self.norm(x), post-norm: x). Pre-norm's next input is next_norm of the
+        output: the next block's LayerNorm, or its stack's last, computed in the pass that adds the
+        residual (dropout.dropout_add_then_norm). Post-norm's is the output again, as a second tensor
+        whose gradient the fused kernel adds as it reads the first's (dropout.dropout_add_norm_for_two)."""
         p, training = self.dropout.p, self.training  # dropout_add(x, y) is x + dropout(y), fused where it can be
         if self.pre_norm:
-            out = dropout_add(x, sublayer(self.norm(x)), p, training=training)
-            return out, out
-        return dropout_add_norm_for_two(x, sublayer(sublayer_input), self.norm, p, training=training)
+            return dropout_add_then_norm(x, sublayer(h), next_norm, p, training=training)
+        return dropout_add_norm_for_two(x, sublayer(h), self.norm, p, training=training)
 
 
 def _attention(config: ModelConfig) -> MultiHeadAttention:
@@ -160,6 +163,18 @@ def _residual(config: ModelConfig) -> Residual:
     return Residual(config.d_model, config.dropout, pre_norm=config.norm == "pre")
 
 
+def stack_input(
+    x: Tensor, layers: Sequence[EncoderLayer | DecoderLayer], last_norm: nn.Module, *, pre_norm: bool
+) -> tuple[tuple[Tensor, Tensor], list[nn.Module]]:
+    """The (x, h) a stack's first layer takes, and the next_norm each of `layers` (those that run)
+    hands its h through. Pre-norm: h is the first layer's first LayerNorm of x (last_norm where no
+    layer runs), and each layer's next is the following layer's first LayerNorm, the last layer's the
+    stack's own (last_norm); the last h is then the stack's output. Post-norm: h is x, and each
+    layer's output is its h."""
+    norms = [*(layer.first_norm for layer in layers), last_norm]
+    return (x, norms[0](x) if pre_norm else x), norms[1:]
+
+
 class EncoderLayer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -168,11 +183,20 @@ class EncoderLayer(nn.Module):
         self.self_attn_block = _residual(config)
         self.ffn_block = _residual(config)
 
-    def forward(self, x: Tensor, rows: Rows, src_mask: Tensor) -> Tensor:
-        """x (rows.padded, d), flat (B, S) positions; src_mask (B, 1, 1, S), True on real tokens."""
+    @property
+    def first_norm(self) -> nn.LayerNorm:
+        return self.self_attn_block.norm
 
-        x, h = self.self_attn_block.for_two(x, x, lambda h: self.self_attn.self_attend(h, rows, mask=src_mask))
-        return self.ffn_block.for_two(x, h, self.ffn)[0]
+    def forward(
+        self, x: Tensor, h: Tensor, rows: Rows, src_mask: Tensor, next_norm: nn.Module
+    ) -> tuple[Tensor, Tensor]:
+        """x (rows.padded, d), flat (B, S) positions, and h, its first sublayer's input (stack_input);
+        src_mask (B, 1, 1, S), True on real tokens. -> the output and the next layer's h, by next_norm
+        where the stack is pre-norm (stack_input)."""
+        x, h = self.self_attn_block.advance(
+            x, h, lambda h: self.self_attn.self_attend(h, rows, mask=src_mask), self.ffn_block.norm
+        )
+        return self.ffn_block.advance(x, h, self.ffn, next_norm)
 
 
 class DecoderLayer(nn.Module):
@@ -185,24 +209,35 @@ class DecoderLayer(nn.Module):
         self.cross_attn_block = _residual(config)
         self.ffn_block = _residual(config)
 
+    @property
+    def first_norm(self) -> nn.LayerNorm:
+        return self.self_attn_block.norm
+
     def forward(
         self,
         x: Tensor,
+        h: Tensor,
         rows: Rows,
         memory_kv: tuple[Tensor, Tensor] | FlatKeysValues,
         src_mask: Tensor,
         cache: LayerCache | None,
-    ) -> Tensor:
-        """x (rows.padded, d), flat (N, T) new target positions, N = B * beams rows grouped by sentence;
+        next_norm: nn.Module,
+    ) -> tuple[Tensor, Tensor]:
+        """x (rows.padded, d), flat (N, T) new target positions, N = B * beams rows grouped by sentence,
+        and h, its first sublayer's input; -> the output and the next layer's h, as EncoderLayer's.
         memory_kv: this layer's keys and values of the encoder output (memory_keys_values), which the
         decoder computes for all its layers at once, flat where the decoder attends with flat_attention.
 
         With a cache, earlier positions come from it. The cache may be any object with LayerCache's
         self-attention fields and `extend`: graphed_decoder.StaticLayerCache keeps them in fixed buffers.
         """
-        x, h = self.self_attn_block.for_two(x, x, lambda h: self._self_attention(h, rows, cache))
-        x, h = self.cross_attn_block.for_two(x, h, lambda h: self._cross_attention(h, rows, memory_kv, src_mask))
-        return self.ffn_block.for_two(x, h, self.ffn)[0]
+        x, h = self.self_attn_block.advance(
+            x, h, lambda h: self._self_attention(h, rows, cache), self.cross_attn_block.norm
+        )
+        x, h = self.cross_attn_block.advance(
+            x, h, lambda h: self._cross_attention(h, rows, memory_kv, src_mask), self.ffn_block.norm
+        )
+        return self.ffn_block.advance(x, h, self.ffn, next_norm)
 
     def cross_attention_weights(self, x: Tensor, rows: Rows, memory_k: Tensor, src_mask: Tensor) -> Tensor:
         """Cross-attention probabilities (B, h, T, S) of this layer, given its input x (rows.padded, d)

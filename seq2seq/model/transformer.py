@@ -18,7 +18,7 @@ from seq2seq.data.special_tokens import PAD_ID, padding_mask
 from seq2seq.model.cpu_attention import FlatKeysValues, flat_attention_applies
 from seq2seq.model.dropout import Dropout
 from seq2seq.model.execution import DecoderCache, Memory, Rows, row_multiple
-from seq2seq.model.layers import DecoderLayer, EncoderLayer, Residual, memory_keys_values
+from seq2seq.model.layers import DecoderLayer, EncoderLayer, Residual, memory_keys_values, stack_input
 
 
 def sinusoidal_positions(positions: Tensor, d_model: int) -> Tensor:
@@ -73,6 +73,10 @@ class Seq2SeqTransformer(nn.Module):
             x = x * (torch.rand(tokens.shape, device=tokens.device) >= word_dropout).unsqueeze(-1).to(x.dtype)
         return self.dropout(x + sinusoidal_positions(positions, self.config.d_model).to(x.dtype))
 
+    @property
+    def pre_norm(self) -> bool:
+        return self.config.norm == "pre"
+
     def _skipped(self, layerdrop: float) -> bool:
         """Whether training skips this layer now (LayerDrop, Fan et al. 2020; decided on the host)."""
         return self.training and layerdrop > 0 and float(torch.rand(())) < layerdrop
@@ -82,10 +86,11 @@ class Seq2SeqTransformer(nn.Module):
         multiple = row_multiple(src.device, self.src_embed.weight.dtype)
         rows = Rows.of(src_mask[:, 0, 0], multiple)  # execution.Rows: why the stack runs on flat rows
         x = rows.flatten(self.embed(self.src_embed, src, 0))
-        for layer in self.encoder_layers:
-            if not self._skipped(self.config.encoder_layerdrop):
-                x = layer(x, rows, src_mask)
-        return rows.unflatten(self.encoder_norm(x))
+        running = [layer for layer in self.encoder_layers if not self._skipped(self.config.encoder_layerdrop)]
+        (x, h), next_norms = stack_input(x, running, self.encoder_norm, pre_norm=self.pre_norm)
+        for layer, next_norm in zip(running, next_norms):
+            x, h = layer(x, h, rows, src_mask, next_norm)
+        return rows.unflatten(h)
 
     def decode_hidden(self, tgt: Tensor, memory: Tensor, src_mask: Tensor, cache: DecoderCache | None = None) -> Tensor:
         """tgt (B, T) ids -> decoder output (B, T, d); with a cache, tgt holds only the new positions.
@@ -94,10 +99,13 @@ class Seq2SeqTransformer(nn.Module):
         x, rows, memory = self._decoder_input(tgt, memory, src_mask, cache)
         running = [index for index in range(len(self.decoder_layers))
                    if not self._skipped(self.config.decoder_layerdrop)]  # fmt: skip
-        for index, memory_kv in zip(running, self._memory_keys_values(running, rows, memory, cache)):
+        layers = [self.decoder_layers[index] for index in running]
+        (x, h), next_norms = stack_input(x, layers, self.decoder_norm, pre_norm=self.pre_norm)
+        memory_kvs = self._memory_keys_values(running, rows, memory, cache)
+        for index, layer, memory_kv, next_norm in zip(running, layers, memory_kvs, next_norms):
             layer_cache = None if cache is None else cache.layers[index]
-            x = self.decoder_layers[index](x, rows, memory_kv, src_mask, layer_cache)
-        return rows.unflatten(self.decoder_norm(x))
+            x, h = layer(x, h, rows, memory_kv, src_mask, layer_cache, next_norm)
+        return rows.unflatten(h)
 
     def _memory_keys_values(
         self, running: list[int], rows: Rows, memory: Memory, cache: DecoderCache | None
@@ -164,10 +172,12 @@ class Seq2SeqTransformer(nn.Module):
         memory = self.encode(src, src_mask)
         x, rows, memory = self._decoder_input(tgt_in, memory, src_mask, None)
         maps = []
-        every = memory_keys_values([layer.cross_attn for layer in self.decoder_layers], memory)
-        for layer, memory_kv in zip(self.decoder_layers, every):
+        layers = list(self.decoder_layers)
+        every = memory_keys_values([layer.cross_attn for layer in layers], memory)
+        (x, h), next_norms = stack_input(x, layers, self.decoder_norm, pre_norm=self.pre_norm)
+        for layer, memory_kv, next_norm in zip(layers, every, next_norms):
             maps.append(layer.cross_attention_weights(x, rows, memory_kv[0], src_mask))
-            x = layer(x, rows, memory_kv, src_mask, None)
+            x, h = layer(x, h, rows, memory_kv, src_mask, None, next_norm)
         return torch.stack(maps)
 
 

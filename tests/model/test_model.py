@@ -15,7 +15,7 @@ from seq2seq.data.special_tokens import PAD_ID, padding_mask
 from seq2seq.model.cpu_kernels import SWITCH as CPU_KERNELS_SWITCH
 from seq2seq.model.execution import ROW_MULTIPLE, Memory, Rows, attention, split_heads
 from seq2seq.model.interop import to_torch_transformer
-from seq2seq.model.layers import memory_keys_values
+from seq2seq.model.layers import memory_keys_values, stack_input
 from seq2seq.model.transformer import Seq2SeqTransformer, sinusoidal_positions
 from seq2seq.training.train_step import compile_for_training
 
@@ -44,15 +44,21 @@ def test_layers_match_torch_transformer_with_padding(norm):
     src_mask = padding_mask(src_tokens)
     src_rows, tgt_rows = Rows(3, 7, ROW_MULTIPLE), Rows(3, 6, ROW_MULTIPLE)  # with padding rows, as in bf16
     with torch.no_grad():
-        memory = src_rows.flatten(src_embedded)
-        for layer in ours.encoder_layers:
-            memory = layer(memory, src_rows, src_mask)
-        memory = Memory(src_rows.unflatten(ours.encoder_norm(memory)), src_mask, ROW_MULTIPLE)
-        out = tgt_rows.flatten(tgt_embedded)
-        every = memory_keys_values([layer.cross_attn for layer in ours.decoder_layers], memory)
-        for layer, memory_kv in zip(ours.decoder_layers, every, strict=True):
-            out = layer(out, tgt_rows, memory_kv, src_mask, None)
-        out = tgt_rows.unflatten(ours.decoder_norm(out))
+        layers = list(ours.encoder_layers)
+        (x, h), next_norms = stack_input(
+            src_rows.flatten(src_embedded), layers, ours.encoder_norm, pre_norm=ours.pre_norm
+        )
+        for layer, next_norm in zip(layers, next_norms, strict=True):
+            x, h = layer(x, h, src_rows, src_mask, next_norm)
+        memory = Memory(src_rows.unflatten(h), src_mask, ROW_MULTIPLE)
+        layers = list(ours.decoder_layers)
+        (x, h), next_norms = stack_input(
+            tgt_rows.flatten(tgt_embedded), layers, ours.decoder_norm, pre_norm=ours.pre_norm
+        )
+        every = memory_keys_values([layer.cross_attn for layer in layers], memory)
+        for layer, memory_kv, next_norm in zip(layers, every, next_norms, strict=True):
+            x, h = layer(x, h, tgt_rows, memory_kv, src_mask, None, next_norm)
+        out = tgt_rows.unflatten(h)
         expected = ref(
             src_embedded,
             tgt_embedded,
@@ -432,6 +438,28 @@ def test_layerdrop_skips_each_layer_at_its_rate_in_training_and_none_in_evaluati
     before = dict(runs)
     model(src, tgt)
     assert all(runs[name] == before[name] + 1 for name in runs)
+
+
+@pytest.mark.parametrize("norm", ["pre", "post"])
+@pytest.mark.parametrize("skipped", [{0}, {1}, {0, 1}], ids=["first", "last", "both"])
+def test_a_stack_with_layers_skipped_is_the_stack_without_them(norm, skipped):
+    """LayerDrop skipping encoder and decoder layers `skipped` gives what a model without those layers
+    gives (a pre-norm layer's LayerNorm is applied by the layer before it: a skipped layer's must not
+    be), and with every layer skipped, the stacks' last LayerNorms of the embeddings."""
+    model = make_model(norm, encoder_layerdrop=0.5, decoder_layerdrop=0.5)
+    with torch.no_grad():  # LayerNorm parameters of their own, so that using the wrong one shows
+        for param in model.parameters():
+            param.normal_(0.0, 0.3)
+    decisions = iter([index in skipped for index in range(LAYERS)] * 2)  # the encoder's, then the decoder's
+    model._skipped = lambda layerdrop: model.training and next(decisions)
+    src, tgt = torch.randint(4, VOCAB, (2, 5)), torch.randint(4, VOCAB, (2, 4))
+    with torch.no_grad():
+        out = model.train()(src, tgt)  # dropout 0: training differs from evaluation only by LayerDrop
+        kept = [index for index in range(LAYERS) if index not in skipped]
+        model.encoder_layers = nn.ModuleList(model.encoder_layers[index] for index in kept)
+        model.decoder_layers = nn.ModuleList(model.decoder_layers[index] for index in kept)
+        expected = model.eval()(src, tgt)
+    torch.testing.assert_close(out, expected)
 
 
 def test_target_word_dropout_zeroes_whole_word_embeddings_in_training_only():
