@@ -5,7 +5,9 @@ little about a bf16 step on hardware that runs it natively. The census runs one 
 TorchDispatchMode, which sees every ATen op the forward and backward passes dispatch, and counts:
 - dtype conversions (a copy whose output has another floating dtype than its input) and their bytes,
   the implicit ones too: an elementwise op given inputs of two floating dtypes (fp32 += bf16) casts
-  the other one into a temporary inside the op, which no dispatched op shows;
+  the other one into a temporary inside the op, which no dispatched op shows. Not so our fused
+  kernels (model/cpu_*.cpp, the seq2seq_cpu ops): each reads every input in its own dtype as it goes
+  (fp32 row statistics beside bf16 rows, bf16 logits into fp32 losses), no temporary, no pass;
 - matrix products (mm, addmm, bmm, baddbmm, oneDNN's linear layer, ...) and their FLOPs;
 - the bytes every other op reads and writes (its tensor inputs and outputs; a factory such as
   zeros_like only its output, an allocation such as empty_like none): the memory traffic of what is
@@ -111,11 +113,12 @@ class _Counting(TorchDispatchMode):
             return out
         if any(word in name for word in ATTENTION):
             census.attention_calls += 1
-        elif outputs and name not in FACTORIES:
+        elif outputs and name not in FACTORIES and func.namespace != "seq2seq_cpu":
             implicit = [t for t in inputs if t.is_floating_point() and t.dim() and t.dtype != outputs[0].dtype]
-            census.conversions += len(implicit)
-            census.conversion_bytes += sum(t.numel() * outputs[0].element_size() + _bytes([t]) for t in implicit)
-            census.conversions_by_op[f"{name} (implicit)"] += len(implicit)
+            if implicit:
+                census.conversions += len(implicit)
+                census.conversion_bytes += sum(t.numel() * outputs[0].element_size() + _bytes([t]) for t in implicit)
+                census.conversions_by_op[f"{name} (implicit)"] += len(implicit)
         census.other_ops += 1
         moved = _moved(name, inputs, outputs)
         census.other_bytes += moved

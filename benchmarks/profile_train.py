@@ -104,6 +104,9 @@ def profile_size(args) -> list[str]:
     print("  MB moved by other ops, per step, the largest:")
     for name, moved in counted.by_op.most_common(args.rows):
         print(f"    {name:<34} {moved / per_step / 1e6:8.1f} MB {moved / max(counted.other_bytes, 1):6.1%}")
+    print("  dtype conversions, per step, by op:")
+    for name, count in counted.conversions_by_op.most_common(args.rows):
+        print(f"    {name:<34} {count / per_step:8.1f}")
     if DEVICE.type == "cuda":
         print(f"  device busy {busy:.1f} ms/step ({busy / (wall * 1e3):.0%} of the wall time), "
               f"{launches:,.0f} kernel launches/step (profiled steps)")  # fmt: skip
@@ -141,10 +144,10 @@ def main() -> int:
     parser.add_argument("--profile-steps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rows", type=int, default=15, help="rows of each table of ops")
+    parser.add_argument("--set", action="append", default=[], help="extra config override (repeatable)")
     args = parser.parse_args()
     if args.steps < 1 or args.profile_steps < 1:
         parser.error("--steps and --profile-steps: expected at least 1 (the census counts the profiled steps)")
-    args.set = []
     torch.set_num_threads(args.threads)
     sizes = args.max_tokens
     summary = []

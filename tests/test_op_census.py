@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from benchmarks.op_census import take_census
+from seq2seq.model.dropout import dropout_add_norm_for_two
 
 
 def linear_step(layer: torch.nn.Linear, x: torch.Tensor, dtype: torch.dtype | None):
@@ -36,6 +37,20 @@ def test_an_op_that_mixes_dtypes_counts_its_implicit_cast():
     made = take_census(lambda: torch.zeros_like(part, dtype=torch.float32))  # reads nothing: no cast
     assert mixed.conversions == same.conversions == 1 and made.conversions == 0
     assert mixed.conversion_bytes == same.conversion_bytes == 8 * 4 * (2 + 4)
+
+
+def test_a_fused_kernel_reading_two_dtypes_casts_nothing(fused_kernels):
+    """Our kernels read each input in its own dtype in their one pass: post-norm's fused residual
+    connection keeps fp32 row statistics beside its bf16 rows, and its backward pass reads both."""
+    norm = torch.nn.LayerNorm(32).to(torch.bfloat16)
+    residual, x = (torch.randn(64, 32, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+
+    def step():
+        dropout_add_norm_for_two(residual, x, norm, 0.1, training=True)[0].float().sum().backward()
+
+    counted = take_census(step)
+    assert counted.conversions_by_op == {"_to_copy": 2}  # .float() on the output, and its gradient back to bf16
+    assert {"dropout_add_norm", "dropout_add_norm_backward"} <= set(counted.by_op)
 
 
 def test_onednns_linear_layer_counts_as_a_matrix_product():
