@@ -90,10 +90,10 @@ class _Counting(TorchDispatchMode):
         if name == "_foreach_copy_":  # one op, but a conversion of every pair whose dtype differs
             targets, sources = args[0], args[1]
             changed = [(t, s) for t, s in zip(targets, sources) if t.dtype != s.dtype]
-            census.conversions += len(changed)
-            census.conversion_bytes += sum(_bytes([t, s]) for t, s in changed)
-            census.conversions_by_op[name] += len(changed)
             if changed:
+                census.conversions += len(changed)
+                census.conversion_bytes += sum(_bytes([t, s]) for t, s in changed)
+                census.conversions_by_op[name] += len(changed)
                 return out
         if name in CONVERSIONS and inputs and outputs:
             source = inputs[-1] if name == "copy_" else inputs[0]
