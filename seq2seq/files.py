@@ -110,10 +110,36 @@ def write_text_atomic(path: str | Path, text: str) -> None:
         handle.write(text.encode("utf-8"))
 
 
+PNG_SOFTWARE = "seq2seq"  # the PNG's Software text field: what marks a plot as written by seq2seq
+
+
 def save_png(figure, path: str | Path) -> None:
-    """A matplotlib figure as a PNG, written atomically like every file seq2seq writes."""
+    """A matplotlib figure as a PNG, written atomically like every file seq2seq writes, and marked as
+    seq2seq's (written_by_seq2seq) so that a command drawing it again knows it may replace it."""
     with atomic_write(path) as handle:
-        figure.savefig(handle, format="png", dpi=110)
+        figure.savefig(handle, format="png", dpi=110, metadata={"Software": PNG_SOFTWARE})
+
+
+def written_by_seq2seq(path: str | Path) -> bool:
+    """Whether the PNG at `path` is one that save_png wrote (anything else, a PNG or not, is not)."""
+    from PIL import Image, UnidentifiedImageError  # Pillow, which matplotlib needs: only when a plot exists
+
+    try:
+        with Image.open(path) as image:
+            return image.format == "PNG" and image.info.get("Software") == PNG_SOFTWARE
+    except (OSError, UnidentifiedImageError):
+        return False
+
+
+def check_replaceable_plots(paths: list[Path], *, command: str) -> None:
+    """Fail now, in one line, if a plot `command` would write is a file that seq2seq did not write:
+    a command replaces its own earlier plots, never a file someone put under the same name."""
+    for path in paths:
+        if path.is_dir() or (path.exists() and not written_by_seq2seq(path)):
+            raise UserInputError(
+                f"{path}: exists and is not a plot seq2seq wrote; `{command}` replaces only its own plots "
+                "(move that file away, then run it again)"
+            )
 
 
 def read_once(path: str | Path) -> bool:

@@ -10,46 +10,48 @@ matplotlib.use("Agg")  # files only; no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 
 from seq2seq.errors import UserInputError  # noqa: E402
-from seq2seq.files import save_png  # noqa: E402
+from seq2seq.files import check_replaceable_plots, save_png  # noqa: E402
 from seq2seq.training.run_log import MetricsLog  # noqa: E402
+
+# each plot's curves: (label, kind of record, key)
+FIGURES = {
+    "loss": [
+        ("train loss (label-smoothed)", "train", "loss"),
+        ("valid loss (NLL)", "valid", "loss"),
+        ("valid loss, weight average", "valid", "ema_loss"),
+    ],
+    "bleu": [
+        ("valid BLEU", "valid", "bleu"),
+        ("valid chrF", "valid", "chrf"),
+        ("valid BLEU, weight average", "valid", "ema_bleu"),
+        ("valid chrF, weight average", "valid", "ema_chrf"),
+    ],
+    "lr": [("learning rate", "train", "lr")],
+    "memory": [
+        ("RSS now (MiB)", "train", "rss_mb"),
+        ("RSS, peak since the last log line (MiB)", "train", "window_peak_rss_mb"),
+        ("peak (MiB)", "train", "peak_memory_mb"),
+        ("CUDA allocated (MiB)", "train", "cuda_allocated_mb"),
+        ("CUDA reserved (MiB)", "train", "cuda_reserved_mb"),
+    ],
+}
 
 
 def plot_training_curves(run_dir: str | Path) -> list[Path]:
-    """RUN_DIR/plots/{loss,bleu,lr,memory}.png from RUN_DIR/metrics.jsonl."""
+    """RUN_DIR/plots/{loss,bleu,lr,memory}.png from RUN_DIR/metrics.jsonl, replacing the ones an
+    earlier call wrote and nothing else."""
     run_dir = Path(run_dir)
+    out = run_dir / "plots"
+    check_replaceable_plots([out / f"{name}.png" for name in FIGURES], command="seq2seq plot")
     records = MetricsLog(run_dir / "metrics.jsonl").read()
     if not records:
         raise UserInputError(f"{run_dir}/metrics.jsonl: no metrics to plot (has this run logged a step yet?)")
-    train = [r for r in records if r["kind"] == "train"]
-    valid = [r for r in records if r["kind"] == "valid"]
-    out = run_dir / "plots"
     out.mkdir(exist_ok=True)
-    figures = {
-        "loss": [
-            ("train loss (label-smoothed)", train, "loss"),
-            ("valid loss (NLL)", valid, "loss"),
-            ("valid loss, weight average", valid, "ema_loss"),
-        ],
-        "bleu": [
-            ("valid BLEU", valid, "bleu"),
-            ("valid chrF", valid, "chrf"),
-            ("valid BLEU, weight average", valid, "ema_bleu"),
-            ("valid chrF, weight average", valid, "ema_chrf"),
-        ],
-        "lr": [("learning rate", train, "lr")],
-        "memory": [
-            ("RSS now (MiB)", train, "rss_mb"),
-            ("RSS, peak since the last log line (MiB)", train, "window_peak_rss_mb"),
-            ("peak (MiB)", train, "peak_memory_mb"),
-            ("CUDA allocated (MiB)", train, "cuda_allocated_mb"),
-            ("CUDA reserved (MiB)", train, "cuda_reserved_mb"),
-        ],
-    }
     written = []
-    for name, series in figures.items():
+    for name, series in FIGURES.items():
         fig, ax = plt.subplots(figsize=(7, 4))
-        for label, rows, key in series:
-            rows = [r for r in rows if key in r]  # runs logged before a figure existed lack it
+        for label, kind, key in series:
+            rows = [r for r in records if r["kind"] == kind and key in r]  # older runs' records lack new keys
             if rows:
                 ax.plot(
                     [r["step"] for r in rows],

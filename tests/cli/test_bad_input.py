@@ -3,6 +3,7 @@ what was expected, exit code 2, no traceback, found before the expensive work, a
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -423,6 +424,33 @@ def test_a_bleu_tokenizer_sacrebleu_cannot_set_up_is_one_line_before_any_transla
     assert result.exit_code == 2, result.output
     [line] = result.stderr.splitlines()
     assert line.startswith(f"error: --tokenize {tokenize}: sacrebleu cannot use it here") and reason in line
+
+
+def test_plot_replaces_its_own_plots_and_no_file_it_did_not_write(world: Paths, tmp_path):
+    """`seq2seq plot` run again replaces the PNGs it wrote; a file under one of their names that it did
+    not write (here a PNG that matplotlib wrote for someone) is one line, exit 2, before any plot is
+    drawn, and stays as it was."""
+    import matplotlib.pyplot as plt
+
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(world.run / "metrics.jsonl", run / "metrics.jsonl")
+    for _ in range(2):
+        result = runner.invoke(app, ["plot", str(run)])
+        assert result.exit_code == 0, result.output
+    figure = plt.figure()
+    figure.savefig(run / "plots" / "lr.png")
+    plt.close(figure)
+    theirs = (run / "plots" / "lr.png").read_bytes()
+    ours = {path: path.stat().st_mtime_ns for path in (run / "plots").glob("*.png")}
+    result = runner.invoke(app, ["plot", str(run)])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines() == [
+        f"error: {run / 'plots' / 'lr.png'}: exists and is not a plot seq2seq wrote; `seq2seq plot` replaces only "
+        "its own plots (move that file away, then run it again)"
+    ]
+    assert (run / "plots" / "lr.png").read_bytes() == theirs
+    assert {path: path.stat().st_mtime_ns for path in (run / "plots").glob("*.png")} == ours
 
 
 def test_version_and_completion():
