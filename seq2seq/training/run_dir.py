@@ -1,6 +1,6 @@
 """A training run's directory: its layout, the start-or-resume rule, and what it prepares before training.
 
-RUN_DIR/config.yaml      the resolved config (enough to reproduce the run)
+RUN_DIR/config.yaml      the resolved config (enough to reproduce the run), its first line CONFIG_HEADER
 RUN_DIR/tokenizer/       the SentencePiece model(s), trained once (not made by fine-tuning: train.init_from's)
 RUN_DIR/checkpoints/     step_NNNNNNNN.pt, last.pt, best.pt (checkpoint.py)
 RUN_DIR/metrics.jsonl    one JSON record per log or validation step (run_log.py)
@@ -33,6 +33,10 @@ from seq2seq.progress import with_progress
 from seq2seq.training.distributed import DistributedContext
 
 log = logging.getLogger(__name__)
+
+# The first line of every config.yaml a run writes: what tells a new run that the file is a run's,
+# which it may replace, and not a config someone keeps in the directory they train into.
+CONFIG_HEADER = "# seq2seq train: this run's resolved config (every setting), written at each start and resume\n"
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,18 @@ class RunDir:
                 f"{self.root}: this run directory already has checkpoints; pass --resume to continue it "
                 "or --run-dir to start a new run"
             )
+        if not resume and self.config_file.exists() and not self._config_written_by_a_run():
+            raise UserInputError(
+                f"{self.config_file}: exists and is not a config a seq2seq run wrote; a run records its resolved "
+                "config under that name: keep yours outside the run directory, or choose another --run-dir"
+            )
+
+    def _config_written_by_a_run(self) -> bool:
+        try:
+            with open(self.config_file, encoding="utf-8", errors="replace") as handle:
+                return handle.readline() == CONFIG_HEADER
+        except OSError:  # a directory of that name, or one that cannot be read: not a run's config
+            return False
 
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:
@@ -212,7 +228,7 @@ def prepare_run(
         if trained_on:
             check_same_text(data, trained_on, config)
         warn_if_resampled(data, segmented_as or [])
-        write_text_atomic(run_dir.config_file, yaml.safe_dump(config.to_dict(), sort_keys=False))
+        write_text_atomic(run_dir.config_file, CONFIG_HEADER + yaml.safe_dump(config.to_dict(), sort_keys=False))
     dist.barrier()
     if not dist.is_main:
         tokenizer = tokenizer or Tokenizer.load(run_dir.tokenizer)

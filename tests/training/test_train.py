@@ -6,10 +6,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 import shutil
 
 import pytest
 import torch
+import yaml
 
 from seq2seq.checkpoint import Checkpoint
 from seq2seq.config_files import config_from_dict
@@ -123,6 +125,26 @@ def test_existing_run_directory_is_not_overwritten(tmp_path, tiny_data):
     make_trainer(tmp_path, tiny_data, max_steps=2, valid_every=100).run()
     with pytest.raises(UserInputError, match="already has checkpoints; pass --resume"):
         make_trainer(tmp_path, tiny_data, max_steps=2)
+
+
+def test_a_new_run_replaces_a_runs_config_and_no_config_it_did_not_write(tmp_path, tiny_data):
+    """A run directory whose config.yaml a run wrote (a run stopped before its first checkpoint, here
+    one whose checkpoints were removed) takes a new run, which writes it again. One holding a config
+    someone keeps there (the very file `seq2seq train DIR/config.yaml --run-dir DIR` reads) is refused
+    before the directory is touched, the file as it was."""
+    make_trainer(tmp_path, tiny_data, max_steps=2, valid_every=100).run()
+    shutil.rmtree(tmp_path / "run" / "checkpoints")
+    make_trainer(tmp_path, tiny_data, max_steps=3, valid_every=100).run()
+    assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["train"]["max_steps"] == 3
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.yaml").write_text(yaml.safe_dump(tiny_config_dict(tiny_data, max_steps=2)))
+    kept = (mine / "config.yaml").read_bytes()
+    refusal = f"^{re.escape(str(mine / 'config.yaml'))}: exists and is not a config a seq2seq run wrote"
+    with pytest.raises(UserInputError, match=refusal):
+        make_trainer(tmp_path, tiny_data, name="mine", max_steps=2)
+    assert (mine / "config.yaml").read_bytes() == kept
+    assert sorted(path.name for path in mine.iterdir()) == ["config.yaml"]
 
 
 def test_a_resumed_run_records_what_changed_in_its_train_log(tmp_path, tiny_data, caplog):
