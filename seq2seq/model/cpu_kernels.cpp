@@ -208,22 +208,18 @@ at::Tensor dropout(const at::Tensor& x, const std::optional<at::Tensor>& addend,
   TORCH_CHECK(!addend.has_value() || (addend->scalar_type() == x.scalar_type() && addend->is_contiguous() &&
                                       addend->sizes() == x.sizes()),
               "addend: contiguous, of x's dtype and shape");
-  TORCH_CHECK(dropped_below >= 0 && dropped_below < 65536, "dropped_below: in [0, 65536)");
-  TORCH_CHECK(seed.device().is_cpu() && seed.scalar_type() == at::kLong && seed.numel() == 1, "seed: one int64");
+  const Draw draw = check_draw(seed, dropped_below, scale);
   at::Tensor out = at::empty_like(x);
-  const auto below = static_cast<uint32_t>(dropped_below);
-  const auto key = static_cast<uint64_t>(seed.item<int64_t>());
-  const auto factor = static_cast<float>(scale);
   // Blocks of 1,024 elements per task at least: a thread's share begins and ends inside blocks, and
   // draws a boundary block's words again (the same words: the result is the same for any thread count).
   at::parallel_for(0, x.numel(), 1 << 14, [&](int64_t begin, int64_t end) {
     if (x.scalar_type() == at::kBFloat16) {
       using T = c10::BFloat16;
       masked_scale_block(x.data_ptr<T>(), addend ? addend->data_ptr<T>() : nullptr, out.data_ptr<T>(), begin, end,
-                         key, below, factor);
+                         draw.seed, draw.dropped_below, draw.scale);
     } else {
       masked_scale_block(x.data_ptr<float>(), addend ? addend->data_ptr<float>() : nullptr, out.data_ptr<float>(),
-                         begin, end, key, below, factor);
+                         begin, end, draw.seed, draw.dropped_below, draw.scale);
     }
   });
   return out;

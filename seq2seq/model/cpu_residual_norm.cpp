@@ -33,29 +33,6 @@ using namespace seq2seq_cpu;
 // so the result is the same for any thread count.
 constexpr int64_t kRowsPerTask = 32;
 
-// Dropout's 16-bit draws for a row's elements [first, first + count) of the flat tensor.
-class RowBits {
- public:
-  const uint16_t* draw(uint64_t seed, int64_t first, int64_t count) {
-    const int64_t first_word = first / 4, words = (first + count - 1) / 4 - first_word + 1;
-    if (static_cast<int64_t>(words_.size()) < words) words_.resize(words);
-    uint64_t* out = words_.data();
-#pragma omp simd
-    for (int64_t w = 0; w < words; ++w) out[w] = random_word(seed, first_word + w);
-    return reinterpret_cast<const uint16_t*>(words_.data()) + (first - first_word * 4);
-  }
-
- private:
-  std::vector<uint64_t> words_;
-};
-
-template <typename T>
-inline float rounded(float value) {
-  T kept;
-  store(&kept, value);
-  return load(kept);
-}
-
 template <typename T>
 void forward_rows(const T* x, const T* y, const T* weight, const T* bias, T* sum, T* out, float* stats,
                   int64_t begin, int64_t end, int64_t width, uint64_t seed, uint32_t dropped_below, float scale,
@@ -138,19 +115,6 @@ void check_vector(const at::Tensor& t, const at::Tensor& like, const char* name)
   TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.scalar_type() == like.scalar_type() && t.dim() == 1 &&
                   t.size(0) == like.size(-1),
               name, ": a contiguous vector of x's dtype and width");
-}
-
-struct Draw {
-  uint64_t seed;
-  uint32_t dropped_below;
-  float scale;
-};
-
-Draw check_draw(const at::Tensor& seed, int64_t dropped_below, double scale) {
-  TORCH_CHECK(dropped_below >= 0 && dropped_below < 65536, "dropped_below: in [0, 65536)");
-  TORCH_CHECK(seed.device().is_cpu() && seed.scalar_type() == at::kLong && seed.numel() == 1, "seed: one int64");
-  return {static_cast<uint64_t>(seed.item<int64_t>()), static_cast<uint32_t>(dropped_below),
-          static_cast<float>(scale)};
 }
 
 // (out, sum, stats): LayerNorm(x + dropout(y)), the sum that its backward pass reads, and each row's

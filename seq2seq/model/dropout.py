@@ -34,7 +34,7 @@ def dropout(x: Tensor, p: float, *, training: bool) -> Tensor:
     """F.dropout(x, p, training), with the cheap mask on CPU."""
     if not training or p == 0.0:
         return x
-    if x.device.type != "cpu" or torch.compiler.is_compiling() or round(p * _LEVELS) >= _LEVELS:
+    if x.device.type != "cpu" or torch.compiler.is_compiling() or not cheap_mask_fits(p):
         return F.dropout(x, p, training=True)
     if _fused(x):
         return _FusedDropout.apply(x, None, p)
@@ -44,7 +44,7 @@ def dropout(x: Tensor, p: float, *, training: bool) -> Tensor:
 def dropout_add(residual: Tensor, x: Tensor, p: float, *, training: bool) -> Tensor:
     """residual + dropout(x, p, training=training), in one pass on a CPU where the fused kernels are built."""
     alike = residual.shape == x.shape and residual.dtype == x.dtype
-    if training and p > 0.0 and round(p * _LEVELS) < _LEVELS and alike and _fused(x) and _fused(residual):
+    if training and p > 0.0 and cheap_mask_fits(p) and alike and _fused(x) and _fused(residual):
         return _FusedDropout.apply(x, residual, p)
     return residual + dropout(x, p, training=training)
 
@@ -80,7 +80,7 @@ def dropout_add_then_norm(
 def _norm_fuses(residual: Tensor, x: Tensor, norm: nn.LayerNorm, p: float, training: bool) -> bool:
     """Whether residual + dropout(x, p) and its LayerNorm take cpu_residual_norm.cpp's kernel."""
     alike = residual.shape == x.shape and residual.dtype == x.dtype == norm.weight.dtype
-    return training and p > 0.0 and round(p * _LEVELS) < _LEVELS and alike and _fused(x) and _fused(residual)
+    return training and p > 0.0 and cheap_mask_fits(p) and alike and _fused(x) and _fused(residual)
 
 
 def _fused(x: Tensor) -> bool:
@@ -133,6 +133,21 @@ def _scale(p: float) -> float:
     return _LEVELS / (_LEVELS - round(p * _LEVELS))
 
 
+def cheap_mask_fits(p: float) -> bool:
+    """Whether the cheap mask's 16-bit draws can drop at rate p (not at p = 1, or so close to it that
+    every element would be dropped)."""
+    return round(p * _LEVELS) < _LEVELS
+
+
+def kernel_mask(p: float) -> tuple[Tensor, int, float]:
+    """What a fused kernel draws dropout's mask from: a key (one draw from the seeded generator, which
+    keys the kernel's counter-based stream; none at p = 0, where nothing is dropped), the level under
+    which an element's 16 bits drop it, and the kept elements' scale."""
+    if p == 0.0:
+        return torch.zeros((), dtype=torch.int64), 0, 1.0
+    return torch.empty((), dtype=torch.int64).random_(-(2**63), None), round(p * _LEVELS), _scale(p)
+
+
 class _MaskedScale(torch.autograd.Function):
     """x with the dropped elements zeroed and the kept ones scaled; the gradient masked alike. A
     half-precision x is multiplied by a mask of 1s and 0s in its dtype; an fp32 one is masked_fill'ed
@@ -165,8 +180,8 @@ class _FusedDropout(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, residual: Tensor | None, p: float) -> Tensor:
-        ctx.key = torch.empty((), dtype=torch.int64).random_(-(2**63), None)  # from the seeded generator
-        ctx.dropped_below, ctx.scale, ctx.has_residual = round(p * _LEVELS), _scale(p), residual is not None
+        ctx.key, ctx.dropped_below, ctx.scale = kernel_mask(p)
+        ctx.has_residual = residual is not None
         addend = None if residual is None else residual.contiguous()
         return cpu_kernels().dropout(x.contiguous(), addend, ctx.key, ctx.dropped_below, ctx.scale)
 
@@ -187,8 +202,8 @@ class _FusedDropoutAddNorm(torch.autograd.Function):
         ctx, residual: Tensor, x: Tensor, weight: Tensor, bias: Tensor, p: float, eps: float, pre_norm: bool
     ) -> tuple[Tensor, Tensor]:
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None, not a tensor of zeros
-        ctx.key = torch.empty((), dtype=torch.int64).random_(-(2**63), None)  # from the seeded generator
-        ctx.dropped_below, ctx.scale, ctx.pre_norm = round(p * _LEVELS), _scale(p), pre_norm
+        ctx.key, ctx.dropped_below, ctx.scale = kernel_mask(p)
+        ctx.pre_norm = pre_norm
         out, total, stats = cpu_kernels().dropout_add_norm(
             residual.contiguous(), x.contiguous(), ctx.key, ctx.dropped_below, ctx.scale, weight.contiguous(),
             bias.contiguous(), eps,
