@@ -44,7 +44,7 @@ from seq2seq.inference.ctranslate2_engine import SHORTLIST_FILE, GpuUnusable, po
 from seq2seq.inference.engine import EXPORT_METADATA
 from seq2seq.inference.shortlist import Shortlist
 from seq2seq.inference.translator import Translator
-from seq2seq.model.transformer import sinusoidal_positions
+from seq2seq.model.embedding import sinusoidal_positions
 
 ACTIVATIONS = {"relu": common_spec.Activation.RELU, "gelu": common_spec.Activation.GELU}
 EXPORT_FORMAT_VERSION = 1

@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(
     Path(__file__).with_name(name)
-    for name in ("cpu_kernels.cpp", "cpu_attention.cpp", "cpu_residual_norm.cpp", "cpu_linear.cpp")
+    for name in ("cpu_kernels.cpp", "cpu_attention.cpp", "cpu_residual_norm.cpp", "cpu_linear.cpp", "cpu_embedding.cpp")
 )
 HEADER = Path(__file__).with_name("cpu_kernels.h")
 SWITCH = "SEQ2SEQ_CPU_KERNELS"  # "0": never build or use them (compare speed, rule them out)

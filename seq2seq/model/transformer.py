@@ -17,17 +17,9 @@ from seq2seq.config import ModelConfig
 from seq2seq.data.special_tokens import PAD_ID, padding_mask
 from seq2seq.model.cpu_attention import FlatKeysValues, flat_attention_applies
 from seq2seq.model.dropout import Dropout
+from seq2seq.model.embedding import embedded_rows, fuses, sinusoidal_positions
 from seq2seq.model.execution import DecoderCache, Memory, Rows, row_multiple
 from seq2seq.model.layers import DecoderLayer, EncoderLayer, Residual, memory_keys_values, stack_input
-
-
-def sinusoidal_positions(positions: Tensor, d_model: int) -> Tensor:
-    """(T,) integer positions -> (T, d_model): sin on even dimensions, cos on odd ones, any length."""
-    frequencies = torch.exp(
-        torch.arange(0, d_model, 2, device=positions.device, dtype=torch.float32) * (-math.log(10000.0) / d_model)
-    )
-    angles = positions.float()[:, None] * frequencies[None, :]  # (T, d/2)
-    return torch.stack([angles.sin(), angles.cos()], dim=-1).flatten(1)  # interleave: (T, d)
 
 
 class Seq2SeqTransformer(nn.Module):
@@ -70,8 +62,22 @@ class Seq2SeqTransformer(nn.Module):
         positions = torch.arange(tokens.size(1), device=tokens.device) + start
         x = embedding(tokens) * math.sqrt(self.config.d_model)
         if word_dropout and self.training:
-            x = x * (torch.rand(tokens.shape, device=tokens.device) >= word_dropout).unsqueeze(-1).to(x.dtype)
+            x = x * self._words_kept(tokens, word_dropout).unsqueeze(-1).to(x.dtype)
         return self.dropout(x + sinusoidal_positions(positions, self.config.d_model).to(x.dtype))
+
+    def embed_rows(
+        self, embedding: nn.Embedding, tokens: Tensor, rows: Rows, start: int | Tensor, word_dropout: float = 0.0
+    ) -> Tensor:
+        """`embed`'s output as the stack's flat rows: in training on a CPU, in one pass each way with
+        dropout applied to the flat rows (embedding.py)."""
+        if not fuses(embedding, self.dropout.p, start, training=self.training):
+            return rows.flatten(self.embed(embedding, tokens, start, word_dropout))
+        words_kept = self._words_kept(tokens, word_dropout) if word_dropout else None
+        return embedded_rows(embedding, tokens, rows, start, math.sqrt(self.config.d_model), words_kept, self.dropout.p)
+
+    @staticmethod
+    def _words_kept(tokens: Tensor, word_dropout: float) -> Tensor:
+        return torch.rand(tokens.shape, device=tokens.device) >= word_dropout
 
     @property
     def pre_norm(self) -> bool:
@@ -85,7 +91,7 @@ class Seq2SeqTransformer(nn.Module):
         """src (B, S) ids, src_mask (B, 1, 1, S) -> memory (B, S, d); zeros where src_mask is False."""
         multiple = row_multiple(src.device, self.src_embed.weight.dtype)
         rows = Rows.of(src_mask[:, 0, 0], multiple)  # execution.Rows: why the stack runs on flat rows
-        x = rows.flatten(self.embed(self.src_embed, src, 0))
+        x = self.embed_rows(self.src_embed, src, rows, 0)
         running = [layer for layer in self.encoder_layers if not self._skipped(self.config.encoder_layerdrop)]
         (x, h), next_norms = stack_input(x, running, self.encoder_norm, pre_norm=self.pre_norm)
         for layer, next_norm in zip(running, next_norms):
@@ -133,8 +139,8 @@ class Seq2SeqTransformer(nn.Module):
         multiple = row_multiple(tgt.device, self.tgt_embed.weight.dtype)
         rows = Rows.of(tgt != PAD_ID, multiple) if cache is None else Rows(*tgt.shape, multiple)
         start = 0 if cache is None else cache.length
-        x = self.embed(self.tgt_embed, tgt, start, self.config.target_word_dropout)
-        return rows.flatten(x), rows, Memory(memory, src_mask, multiple)
+        x = self.embed_rows(self.tgt_embed, tgt, rows, start, self.config.target_word_dropout)
+        return x, rows, Memory(memory, src_mask, multiple)
 
     def decode(self, tgt: Tensor, memory: Tensor, src_mask: Tensor, cache: DecoderCache | None = None) -> Tensor:
         """tgt (B, T) ids -> logits (B, T, V)."""

@@ -13,10 +13,11 @@ import seq2seq.model.dropout as dropout_module
 from seq2seq.config import ModelConfig
 from seq2seq.data.special_tokens import PAD_ID, padding_mask
 from seq2seq.model.cpu_kernels import SWITCH as CPU_KERNELS_SWITCH
+from seq2seq.model.embedding import sinusoidal_positions
 from seq2seq.model.execution import ROW_MULTIPLE, Memory, Rows, attention, split_heads
 from seq2seq.model.interop import to_torch_transformer
 from seq2seq.model.layers import memory_keys_values, stack_input
-from seq2seq.model.transformer import Seq2SeqTransformer, sinusoidal_positions
+from seq2seq.model.transformer import Seq2SeqTransformer
 from seq2seq.training.train_step import compile_for_training
 
 D_MODEL, HEADS, FFN, LAYERS, VOCAB = 32, 4, 64, 2, 50
