@@ -3,7 +3,8 @@
 RUN_DIR/config.yaml      the resolved config (enough to reproduce the run), its first line CONFIG_HEADER
 RUN_DIR/tokenizer/       the SentencePiece model(s), trained once (not made by fine-tuning: train.init_from's)
 RUN_DIR/checkpoints/     step_NNNNNNNN.pt, last.pt, best.pt (checkpoint.py)
-RUN_DIR/metrics.jsonl    one JSON record per log or validation step (run_log.py)
+RUN_DIR/metrics.jsonl    one JSON record per log or validation step (run_log.py); an earlier run's, found
+                         by a new run, is kept as metrics.earlier-N.jsonl
 RUN_DIR/train.log        the log lines stderr showed, appended by every start and resume
 """
 
@@ -109,6 +110,20 @@ class RunDir:
         finally:
             os.close(handle)  # and with it the lock
 
+    def set_earlier_metrics_aside(self) -> None:
+        """A new run's metrics.jsonl starts empty: one found here (a run stopped before its first
+        checkpoint, or whose checkpoints were removed) is renamed metrics.earlier-N.jsonl, N the first
+        free number, and a warning says so. Appended to, its steps would count from 1 again in the middle
+        of the file, and `plot` would draw two runs as one."""
+        if not self.metrics.exists():
+            return
+        number = 1
+        while (kept := self.root / f"metrics.earlier-{number}.jsonl").exists():
+            number += 1
+        os.rename(self.metrics, kept)
+        log.warning("%s: an earlier run's metrics; this new run starts its own, and that file is kept as %s",
+                    self.metrics, kept.name)  # fmt: skip
+
     def remove_stale_temporaries(self) -> None:
         """Temporary files a killed process left half-written (files.temporary_path names them .NAME.tmp-HOST-PID)."""
         for folder in (self.root, self.checkpoints, self.tokenizer):
@@ -211,6 +226,7 @@ def prepare_run(
     trained_on: str = "",
     segmented_as: list[str] | None = None,
     progress: bool = False,
+    resumed: bool = False,
 ) -> tuple[Tokenizer, TrainingData]:
     """Train or reuse the tokenizer (a resumed run passes its checkpoint's), encode the data, then write
     config.yaml: rank 0 first, then the other ranks reuse its tokenizer and encoding cache. The
@@ -218,7 +234,7 @@ def prepare_run(
     directory is made; a run refused for its training data leaves no config.yaml. A resumed run passes
     the digest of its training text (`trained_on`), which the data must match, and those of its sampled
     segmentations (`segmented_as`), which it warns of when they differ. Rank 0 holds the directory
-    (RunDir.held) until `held` closes."""
+    (RunDir.held) until `held` closes; a new run (not `resumed`) sets an earlier run's metrics aside."""
     valid_text = read_split(config.data, "valid")
     if dist.is_main:
         held.enter_context(run_dir.held())
@@ -229,6 +245,8 @@ def prepare_run(
             check_same_text(data, trained_on, config)
         warn_if_resampled(data, segmented_as or [])
         write_text_atomic(run_dir.config_file, CONFIG_HEADER + yaml.safe_dump(config.to_dict(), sort_keys=False))
+        if not resumed:
+            run_dir.set_earlier_metrics_aside()
     dist.barrier()
     if not dist.is_main:
         tokenizer = tokenizer or Tokenizer.load(run_dir.tokenizer)

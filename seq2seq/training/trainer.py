@@ -109,6 +109,7 @@ class Trainer:
             tokenizer=(resumed or start).tokenizer if resumed or start else None,
             trained_on=resumed.train_data if resumed else "",
             segmented_as=resumed.segmentations if resumed else None,
+            resumed=resumed is not None,
         )
         self.fine_tuning = start is not None
         self.state = RunState.build(config, tokenizer, data, self.device, start=start)

@@ -147,6 +147,32 @@ def test_a_new_run_replaces_a_runs_config_and_no_config_it_did_not_write(tmp_pat
     assert sorted(path.name for path in mine.iterdir()) == ["config.yaml"]
 
 
+def test_a_new_run_keeps_an_earlier_runs_metrics_apart_and_a_resume_continues_its_own(tmp_path, tiny_data):
+    """A new run in a directory an earlier run left metrics in (its checkpoints removed) starts its
+    own metrics.jsonl; the earlier ones are kept whole, as metrics.earlier-1.jsonl, then -2. A resume
+    logs on in the run's own file."""
+    run = tmp_path / "run"
+
+    def train_steps(lines: list[str]) -> list[int]:
+        return [r["step"] for r in (json.loads(line) for line in lines) if r["kind"] == "train"]
+
+    make_trainer(tmp_path, tiny_data, max_steps=2, log_every=1, valid_every=100).run()
+    first = (run / "metrics.jsonl").read_bytes()
+    shutil.rmtree(run / "checkpoints")
+    make_trainer(tmp_path, tiny_data, max_steps=3, log_every=1, save_every=3, valid_every=100).run()
+    second = (run / "metrics.jsonl").read_bytes()
+    assert train_steps(second.decode().splitlines()) == [1, 2, 3]
+    assert (run / "metrics.earlier-1.jsonl").read_bytes() == first
+    raw = tiny_config_dict(tiny_data, max_steps=4, log_every=1, save_every=3, valid_every=100)
+    Trainer(config_from_dict(raw, origin="test"), run, resume=True, show_progress=False).run()
+    assert train_steps((run / "metrics.jsonl").read_text().splitlines()) == [1, 2, 3, 4]
+    shutil.rmtree(run / "checkpoints")
+    make_trainer(tmp_path, tiny_data, max_steps=1, log_every=1, valid_every=100).run()
+    assert (run / "metrics.earlier-1.jsonl").read_bytes() == first
+    assert train_steps((run / "metrics.earlier-2.jsonl").read_text().splitlines()) == [1, 2, 3, 4]
+    assert train_steps((run / "metrics.jsonl").read_text().splitlines()) == [1]
+
+
 def test_a_resumed_run_records_what_changed_in_its_train_log(tmp_path, tiny_data, caplog):
     """The log of a run says which settings a resume changed, not only the terminal that typed it."""
     caplog.set_level(logging.INFO, logger="seq2seq")  # as the CLI sets it (cli.boundary.setup_logging)
