@@ -45,8 +45,9 @@ class MultiHeadAttention(nn.Module):
     def cross_attend(self, query: Tensor, rows: Rows, memory_kv: FlatKeysValues) -> Tensor:
         """Attention of the flat rows query (rows.padded, d) to the memory's flat keys and values."""
         queries = self.q_proj(query)
-        return self.out_proj(flat_attention(queries, memory_kv.block, rows.spans, memory_kv.spans, self.heads,
-                                            causal=False))  # fmt: skip
+        attended = flat_attention(queries, memory_kv.block, rows.spans, memory_kv.spans, self.heads, causal=False,
+                                  keys_values_gradient_into=memory_kv.gradient_into)  # fmt: skip
+        return self.out_proj(attended)
 
     def _dropout_p(self) -> float:
         return self.dropout if self.training else 0.0
@@ -103,8 +104,8 @@ def memory_keys_values(
     if not projections:  # LayerDrop skipped every decoder layer
         return []
     if flat:
-        blocks = column_blocks(stacked_projection(memory.flat, projections), len(attentions))
-        return [FlatKeysValues(block, memory.rows.spans) for block in blocks]
+        blocks, gradients = column_blocks(stacked_projection(memory.flat, projections), len(attentions))
+        return [FlatKeysValues(block, memory.rows.spans, gradients.into(index)) for index, block in enumerate(blocks)]
     parts = project_together(memory.flat, memory.rows, projections, attentions[0].heads)
     return list(zip(parts[0::2], parts[1::2]))
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from benchmarks.op_census import take_census
 from seq2seq.config import ModelConfig
 from seq2seq.data.special_tokens import PAD_ID
 from seq2seq.model import cpu_attention, layers
@@ -155,6 +156,34 @@ def test_a_model_computes_the_same_loss_and_gradients_with_and_without_it(fused_
     assert flat[1].keys() == pytorch[1].keys()
     for name, grad in flat[1].items():
         torch.testing.assert_close(grad, pytorch[1][name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_cross_attentions_write_their_keys_and_values_gradients_in_place(fused_kernels):
+    """Several layers' keys and values are column blocks of one projection (column_blocks): each
+    attention's backward kernel writes its block's gradient into one tensor that the projection's
+    backward then reads, the gradient the copying path gives, and no block is copied."""
+    query_lengths, key_lengths, layers_count, width = [4, 7, 2], [6, 3, 5], 3, HEADS * 8
+    query_spans, key_spans = _spans(query_lengths), _spans(key_lengths)
+    torch.manual_seed(0)
+    queries = [torch.randn(sum(query_lengths) + PADDING_ROWS, width) for _ in range(layers_count)]
+    stacked = torch.randn(sum(key_lengths) + PADDING_ROWS, layers_count * 2 * width)
+    weights = torch.randn(sum(query_lengths) + PADDING_ROWS, width)
+
+    def gradient(in_place: bool):
+        x = stacked.clone().requires_grad_()
+        blocks, home = cpu_attention.column_blocks(x, layers_count)
+        total = sum(
+            (flat_attention(q, block, query_spans, key_spans, HEADS, causal=False,
+                            keys_values_gradient_into=home.into(index) if in_place else None) * weights).sum()
+            for index, (q, block) in enumerate(zip(queries, blocks))
+        )  # fmt: skip
+        census = take_census(total.backward)
+        return x.grad, census.by_op["copy_"]
+
+    (in_place, copied_in_place), (copied, copied_bytes) = gradient(True), gradient(False)
+    assert torch.equal(in_place, copied)
+    assert in_place[: sum(key_lengths)].abs().sum(0).ne(0).all()  # every column of every layer got a gradient
+    assert copied_in_place == 0 and copied_bytes > 0
 
 
 @pytest.mark.parametrize("causal", [False, True])
