@@ -80,13 +80,16 @@ def _loss_and_gradients(
     kernels = cpu_kernels() if device.type == "cpu" and matmul_dtype in FUSED_DTYPES else None
     with torch.autocast(device.type, enabled=False), torch.no_grad():
         rows, layer = hidden.to(matmul_dtype), weight.to(matmul_dtype)
-        grad_rows = torch.zeros_like(hidden) if hidden_grad else None  # padding rows stay zero
+        # every chunk writes its rows' gradient (padding rows' zero); the first chunk's weight gradient
+        # starts the sum: no zero fill, and no read of one
+        grad_rows = torch.empty_like(hidden) if hidden_grad else None
         accumulate_dtype = torch.promote_types(weight.dtype, compute_dtype)  # bf16 chunks add up in fp32
-        grad_weight = torch.zeros_like(weight, dtype=accumulate_dtype) if weight_grad else None
+        grad_weight = torch.empty_like(weight, dtype=accumulate_dtype) if weight_grad else None
         step = _chunk_rows(device, vocab, hidden.size(0))
         logits = torch.empty((step, vocab), dtype=matmul_dtype, device=device)
         chunk_loss = _ChunkLoss(logits, compute_dtype) if kernels is None else None
         total = torch.zeros((), dtype=torch.float64, device=device)
+        stop = 0
         for start in range(0, rows_in_use, step):
             # Every matmul of a chunk, the gradient's too, runs to the padded end of its rows: with
             # chunks of a multiple of batching.POSITION_MULTIPLE rows (_chunk_rows), every row count
@@ -101,9 +104,13 @@ def _loss_and_gradients(
             else:
                 grad = chunk_loss.add_to(total, z, chunk_target, smoothing, gradient=hidden_grad or weight_grad)
             if grad_rows is not None:
-                _add_product(grad_rows[start:stop], grad, layer, kernels)
+                _add_product(grad_rows[start:stop], grad, layer, kernels, first=True)
             if grad_weight is not None:
-                _add_product(grad_weight, grad.t(), rows[start:stop], kernels)
+                _add_product(grad_weight, grad.t(), rows[start:stop], kernels, first=start == 0)
+        if grad_rows is not None:
+            grad_rows[stop:].zero_()  # padding rows past the last chunk, if any
+        if grad_weight is not None and rows_in_use == 0:
+            grad_weight.zero_()
     grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
     return total.to(compute_dtype), grad_rows, grad_weight
 
@@ -136,16 +143,28 @@ class _ChunkLoss:
         return _to_dtype(self.scratch[:count], self.logits[:count])  # z is no longer needed: its buffer takes the cast
 
 
-def _add_product(out: Tensor, a: Tensor, b: Tensor, kernels) -> None:
-    """out += a @ b, in place when the dtypes agree (no temporary), else through one cast (fused
-    into the addition where the CPU kernels are built). Rounded where a bf16 unit rounds: a bf16 out
-    once, after the addition; the product once before it is added to an fp32 out."""
+def _add_product(out: Tensor, a: Tensor, b: Tensor, kernels, *, first: bool) -> None:
+    """out += a @ b, or out = a @ b where `first`: in place when the dtypes agree (no temporary), else
+    through one cast (fused into the addition where the CPU kernels are built). Rounded where a bf16
+    unit rounds: a bf16 out once, after the addition; the product once before it is added to an fp32 out."""
     if out.dtype == a.dtype and not widened(a):
-        out.addmm_(a, b)
+        if first:
+            torch.mm(a, b, out=out)
+        else:
+            out.addmm_(a, b)
     elif out.dtype == a.dtype:  # widened (cpu_linear.mm): the fp32 sum rounds once into out
-        out.add_(torch.mm(a.float(), b.float()))
+        product = torch.mm(a.float(), b.float())
+        if first:
+            out.copy_(product)
+        else:
+            out.add_(product)
     elif kernels is not None and out.dtype == torch.float32 and a.dtype == torch.bfloat16:
-        kernels.add_bf16_(out, mm(a, b))
+        if first:
+            kernels.widen_scaled_(out, mm(a, b), torch.ones(()))
+        else:
+            kernels.add_bf16_(out, mm(a, b))
+    elif first:
+        out.copy_(mm(a, b))
     else:
         out.add_(mm(a, b))
 

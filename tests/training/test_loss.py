@@ -40,6 +40,22 @@ def test_matches_linear_and_cross_entropy_across_chunks_and_padding_rows(smoothi
     assert torch.count_nonzero(grad_hidden[30:]) == 0
 
 
+@pytest.mark.parametrize("targets", [0, 3])
+def test_rows_no_chunk_reaches_get_a_zero_gradient(targets, monkeypatch):
+    """Padding rows past the last chunk, and a batch without targets: no loss, zero gradients (the
+    gradients start unfilled, written by the chunks)."""
+    monkeypatch.setattr(loss_module, "CPU_CHUNK_ELEMENTS", 2 * 11)  # 2 rows a chunk: the 3 targets end in 2 chunks
+    hidden, weight = _inputs(12, 5, 11)
+    target = torch.randint(0, 11, (targets,))
+    ours = output_layer_loss(hidden, weight, target, 0.1)
+    grad_hidden, grad_weight = torch.autograd.grad(ours, (hidden, weight))
+    expected, expected_hidden, expected_weight = _reference(hidden, weight, target, 0.1)
+    torch.testing.assert_close(ours, expected)
+    assert torch.equal(grad_hidden[targets + 1 :], torch.zeros_like(grad_hidden[targets + 1 :]))
+    torch.testing.assert_close(grad_hidden, expected_hidden)
+    torch.testing.assert_close(grad_weight, expected_weight)
+
+
 def test_gradcheck_and_one_input_without_gradient(monkeypatch):
     monkeypatch.setattr(loss_module, "CPU_CHUNK_ELEMENTS", 2 * 6)
     hidden, weight = _inputs(5, 3, 6)
