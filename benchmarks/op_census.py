@@ -108,7 +108,7 @@ class _Counting(TorchDispatchMode):
             return out
         if name in MATMULS:
             census.matmuls += 1
-            a, b = (inputs[-2], inputs[-1])
+            a, b = _tensors(args)[-2:]  # the operands: not an out= tensor, which kwargs hold
             census.matmul_flops += 2 * a.numel() * b.shape[-1]
             return out
         if any(word in name for word in ATTENTION):

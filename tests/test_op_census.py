@@ -90,6 +90,14 @@ def test_a_product_added_in_place_counts_as_a_matrix_product():
     assert in_place.other_bytes == fresh.other_bytes == 0
 
 
+def test_a_product_written_into_out_counts_its_operands_flops():
+    """torch.mm(a, b, out=logits), as the loss writes each chunk's logits: the FLOPs of a and b, not
+    of b and the output."""
+    a, b, out = torch.randn(64, 32), torch.randn(32, 100), torch.empty(64, 100)
+    census = take_census(lambda: torch.mm(a, b, out=out))
+    assert census.matmuls == 1 and census.matmul_flops == 2 * 64 * 32 * 100
+
+
 def test_memory_allocated_and_not_yet_written_moves_no_bytes():
     """empty_like and new_empty reserve memory; the op that fills it is the one that moves its bytes."""
     x = torch.randn(64, 32)
