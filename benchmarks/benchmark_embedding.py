@@ -14,10 +14,10 @@ bf16: neither side multiplies matrices, so bf16 is no emulation here, on any CPU
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 from ledger import describe_machine
+from timing import seconds_per_call
 
 from seq2seq.config import ModelConfig
 from seq2seq.data.special_tokens import PAD_ID
@@ -70,11 +70,7 @@ def _seconds_per_call(rows_of, grad, model, repeats: int) -> float:
         model.src_embed.weight.grad = None
         rows_of().backward(grad)
 
-    call()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        call()
-    return (time.perf_counter() - start) / repeats
+    return seconds_per_call(call, repeats)
 
 
 if __name__ == "__main__":

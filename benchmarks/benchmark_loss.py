@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import argparse
 import functools
-import time
 
 import torch
 import torch.nn.functional as F
 from ledger import describe_machine
+from timing import seconds_per_call
 from torch.profiler import ProfilerActivity, profile
 
 from seq2seq.training import loss as loss_module
@@ -89,11 +89,7 @@ def _seconds_per_call(loss_of, autocast, hidden, weight, repeats: int) -> float:
             loss = loss_of()
         loss.backward()
 
-    call()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        call()
-    return (time.perf_counter() - start) / repeats
+    return seconds_per_call(call, repeats)
 
 
 def _largest_allocation(loss_of, autocast) -> int:

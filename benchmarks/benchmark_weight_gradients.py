@@ -21,11 +21,11 @@ In bf16 where oneDNN runs it natively, else in fp32 (where the transposed produc
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
 
 import torch
 from ledger import describe_machine
+from timing import seconds_per_call
 
 from seq2seq.model.cpu_linear import onednn_runs_bf16
 
@@ -58,7 +58,7 @@ def main() -> None:
         best = {name: float("inf") for name in sides}
         for _ in range(args.rounds):
             for name, call in sides.items():
-                best[name] = min(best[name], _seconds_per_call(call, args.repeats))
+                best[name] = min(best[name], seconds_per_call(call, args.repeats))
         shipped = sides["mm(grad.t(), x), as shipped"]().float()
         flops = 2 * args.rows * inputs * outputs
         forward = best["forward product"]
@@ -94,14 +94,6 @@ def _sides(x: torch.Tensor, grad: torch.Tensor, weight: torch.Tensor, bias: torc
 
 def _largest_difference(weight_grad: torch.Tensor, shipped: torch.Tensor) -> float:
     return (weight_grad.float() - shipped).abs().max().item()
-
-
-def _seconds_per_call(call: Callable, repeats: int) -> float:
-    call()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        call()
-    return (time.perf_counter() - start) / repeats
 
 
 if __name__ == "__main__":
