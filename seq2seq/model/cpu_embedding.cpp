@@ -26,8 +26,6 @@ namespace {
 
 using namespace seq2seq_cpu;
 
-// The rounding of the PyTorch path is kept: the scaled embedding, its sum with the position's sinusoid
-// and the dropped-out result are each stored in T there.
 // Which token and position each row reads.
 struct Positions {
   const int64_t* tokens;  // the (batch, length) block, flat
@@ -36,6 +34,8 @@ struct Positions {
   int64_t of(int64_t r) const { return where == nullptr ? r : where[r]; }
 };
 
+// The rounding of the PyTorch path is kept: the scaled embedding, its sum with the position's sinusoid
+// and the dropped-out result are each stored in T there.
 template <typename T>
 void forward_rows(const T* weight, const Positions& source, const bool* words_kept, const T* table, T* out,
                   int64_t begin, int64_t end, int64_t used, int64_t width, float scale, const Draw& draw) {

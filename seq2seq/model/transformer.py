@@ -68,8 +68,8 @@ class Seq2SeqTransformer(nn.Module):
     def embed_rows(
         self, embedding: nn.Embedding, tokens: Tensor, rows: Rows, start: int | Tensor, word_dropout: float = 0.0
     ) -> Tensor:
-        """`embed`'s output as the stack's flat rows: in training on a CPU, in one pass each way with
-        dropout applied to the flat rows (embedding.py)."""
+        """`embed`'s output as the stack's flat rows: in training on a CPU, in one pass each way, with
+        the same word and dropout masks (embedding.py)."""
         if not fuses(embedding, self.dropout.p, start, training=self.training):
             return rows.flatten(self.embed(embedding, tokens, start, word_dropout))
         words_kept = self._words_kept(tokens, word_dropout) if word_dropout else None
