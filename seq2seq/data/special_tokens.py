@@ -12,6 +12,9 @@ if TYPE_CHECKING:
     from torch import Tensor
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+# Never a target token, so never an output: both engines' searches ban them at every step (a young
+# model may rank them first).
+NEVER_EMITTED = (PAD_ID, BOS_ID)
 
 
 def padding_mask(tokens: Tensor) -> Tensor:

@@ -36,6 +36,7 @@ import sentencepiece as spm
 from seq2seq.config import Config
 from seq2seq.config_files import config_from_dict
 from seq2seq.data.sources import normalize
+from seq2seq.data.special_tokens import NEVER_EMITTED
 from seq2seq.decoding import DecodeConfig, guidance_limit
 from seq2seq.errors import UserInputError
 from seq2seq.inference.engine import (
@@ -125,6 +126,7 @@ class CTranslate2Engine:
     ) -> None:
         self.runtime, self.src, self.tgt, self.shortlisted = runtime, src, tgt, shortlisted
         self.source_model, self.target_model, self.max_positions = src, tgt, max_positions
+        self.never_emitted = [[tgt.id_to_piece(token)] for token in NEVER_EMITTED]  # as our search bans them
 
     def translate(
         self,
@@ -151,7 +153,15 @@ class CTranslate2Engine:
         done(len(lines) - len(rows))
         with gpu_failures_named(self.runtime.device):
             outputs = _translate(
-                self.runtime, pieces, limits, decode, forced, deadline=deadline, shortlisted=self.shortlisted, done=done
+                self.runtime,
+                pieces,
+                limits,
+                decode,
+                forced,
+                self.never_emitted,
+                deadline=deadline,
+                shortlisted=self.shortlisted,
+                done=done,
             )
         results = [Translation([]) for _ in lines]
         for position, output in enumerate(outputs):
@@ -211,15 +221,17 @@ def _translate(
     pieces: list[list[str]],
     limits: list[int],
     decode: DecodeConfig,
-    prefixes: list[list[str]] | None = None,
+    prefixes: list[list[str]] | None,
+    suppressed: list[list[str]],
     *,
     deadline: float | None = None,
     shortlisted: bool = False,
     done: LinesDone,
 ) -> list:
     """CTranslate2's outputs in input order, each with `hypotheses` and `scores`, best first;
-    `shortlisted`: over the model's vocabulary map (the union of a batch's lines' shortlists); `done`
-    told of each line as all its draws are back.
+    `suppressed`: the pieces no output may hold, each a sequence of one; `shortlisted`: over the
+    model's vocabulary map (the union of a batch's lines' shortlists); `done` told of each line as
+    all its draws are back.
 
     CTranslate2 runs our search: 2 x beam candidates a step, a hypothesis ends when EOS is among
     the best `beam`, a sentence ends when beam x patience have, and they are ranked by log-probability
@@ -231,7 +243,8 @@ def _translate(
     Calls go in as the workers take them (_submitted); where CTranslate2 offers it, greedy and
     sampled decoding also stop at the step that passes the `deadline`."""
     exponent = _ctranslate2_exponent(decode)
-    search = {**_search_options(decode, deadline), "length_penalty": exponent, "use_vmap": shortlisted}
+    search = {**_search_options(decode, deadline), "length_penalty": exponent, "use_vmap": shortlisted,
+              "suppress_sequences": suppressed}  # fmt: skip
     draws = decode.nbest if decode.sample else 1  # a sampled line goes in nbest times, one draw each
     by_limit: dict[int, list[int]] = defaultdict(list)
     for position, limit in enumerate(limits):

@@ -17,7 +17,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from seq2seq.data.special_tokens import BOS_ID, EOS_ID, PAD_ID
+from seq2seq.data.special_tokens import EOS_ID, NEVER_EMITTED, PAD_ID
 from seq2seq.decoding import DecodeConfig
 from seq2seq.inference.engine import DeadlinePassed
 
@@ -106,7 +106,7 @@ def next_log_probs(
     forced: Tensor | None = None,
     prefix_ends: Tensor | None = None,
 ) -> Tensor:
-    """(N, V) logits -> log-probs with PAD/BOS banned, EOS banned before min_len and forced at max
+    """(N, V) logits -> log-probs with NEVER_EMITTED banned, EOS banned before min_len and forced at max
     length, (with no_repeat_ngram) tokens banned that would repeat an n-gram of the output, and
     (with `forced`, (N,) ids or -1) a target prefix's token the only one allowed, at log-probability 0.
 
@@ -117,8 +117,8 @@ def next_log_probs(
     `shortest_limit` is the smallest length limit of the batch, known on the host: before it no row
     can be at its limit, so the step asks the device nothing (a GPU is never waited for here)."""
     log_probs = logits.float().log_softmax(-1)
-    log_probs[:, PAD_ID] = -math.inf
-    log_probs[:, BOS_ID] = -math.inf
+    for token in NEVER_EMITTED:  # one at a time: an index list would be a host tensor copied each step
+        log_probs[:, token] = -math.inf
     if config.no_repeat_ngram:
         _ban_repeated_ngrams(log_probs, prefixes[:, 1:], config.no_repeat_ngram)
     if step < config.min_len:

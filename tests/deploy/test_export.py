@@ -16,8 +16,9 @@ from typer.testing import CliRunner
 
 ctranslate2 = pytest.importorskip("ctranslate2", reason="optional extra: pip install -e '.[export]' (in [dev])")
 
+from seq2seq.checkpoint import Checkpoint  # noqa: E402
 from seq2seq.cli.main import app  # noqa: E402
-from seq2seq.data.special_tokens import BOS_ID, EOS_ID  # noqa: E402
+from seq2seq.data.special_tokens import BOS_ID, EOS_ID, PAD_ID  # noqa: E402
 from seq2seq.deploy import export as export_module  # noqa: E402
 from seq2seq.errors import UserInputError  # noqa: E402
 from seq2seq.inference.engine import EXPORT_METADATA  # noqa: E402
@@ -69,6 +70,34 @@ def test_float32_export_passes_the_gate_and_translates_like_the_checkpoint(check
     assert all(a[1] >= b[1] for a, b in (t.nbest for t in nbest))  # best first
     cli = invoke("translate", "-c", tmp_path / "model", "-i", data / "test.en", "--beam", "1")
     assert cli.exit_code == 0 and cli.stdout.splitlines()[:20] == ours.translate(lines[:20], beam=1)
+
+
+def test_neither_engine_writes_the_tokens_that_are_never_targets(trained_checkpoint, tmp_path):
+    """<pad> and <s> are never targets, and our search bans them; CTranslate2 would write them where a
+    young model ranks them first (and drop them from the text). A model whose every step ranks
+    <pad> first, <s> second and one word third: both engines write that word, greedy and in a beam,
+    and the export passes its gate."""
+    path, data = trained_checkpoint
+    checkpoint = Checkpoint.load(path)
+    state = dict(checkpoint.model)
+    width = state["decoder_norm.bias"].numel()
+    state["decoder_norm.weight"] = torch.zeros(width)  # every decoder output: the first unit vector
+    state["decoder_norm.bias"] = torch.nn.functional.one_hot(torch.tensor(0), width).float()
+    word = checkpoint.tokenizer.tgt_model.piece_to_id("▁la")
+    logits = torch.zeros(state["output_proj.weight"].size(0))  # the output layer's first column
+    logits[[PAD_ID, BOS_ID, word]] = torch.tensor([30.0, 20.0, 10.0])
+    for name in ("output_proj.weight", "tgt_embed.weight", "src_embed.weight"):  # tied or not
+        if name == "output_proj.weight" or torch.equal(state[name], checkpoint.model["output_proj.weight"]):
+            state[name] = state[name].clone()
+            state[name][:, 0] = logits
+    dataclasses.replace(checkpoint, model=state).save(tmp_path / "young.pt")
+    export_module.export_checkpoint(tmp_path / "young.pt", tmp_path / "model", check_lines=8)
+    ours, exported = Translator.load(tmp_path / "young.pt"), Translator.load(tmp_path / "model")
+    lines = (data / "test.en").read_text(encoding="utf-8").splitlines()[:4]
+    for beam in (1, 3):
+        mine = ours.translate(lines, beam=beam)
+        assert exported.translate(lines, beam=beam) == mine
+        assert all(text and set(text.split(" ")) == {"la"} for text in mine), mine
 
 
 @pytest.mark.parametrize(
