@@ -28,7 +28,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "README.md"]
 RUN = {"sh", "python"}
 SHOWN = {"text", "yaml"}
-# The shipped configs as the sandbox has them: their data paths, a model and budget that train in seconds.
+# The shipped configs as the sandbox has them: their data paths, a model and budget that train in seconds,
+# and short output limits (the tiny models' outputs run to them).
 TINY = {
     "tokenizer": {"vocab_size": 300, "sample_sentences": 3000},
     "model": {"d_model": 32, "heads": 2, "encoder_layers": 1, "decoder_layers": 1, "ffn_dim": 64},
@@ -41,8 +42,9 @@ TINY = {
         "valid_max_sentences": 20,
         "precision": "fp32",
         "threads": 1,
-    },  # fmt: skip
-}
+    },
+    "decode": {"max_len_a": 0.5, "max_len_b": 4},
+}  # fmt: skip
 # The corpora the pages name, each a copy of the demo corpus under its languages' suffixes.
 CORPORA = {"data/demo": ("en", "xx"), "data/bible": ("en", "es"), "corpus": ("en", "de")}
 BLOCK_TIMEOUT_S = 300

@@ -9,8 +9,10 @@ from typer.testing import CliRunner
 
 from seq2seq.cli.main import app
 
+# A model that trains in seconds; short output limits, since its outputs run to them.
 TINY = ["model.d_model=32", "model.heads=2", "model.ffn_dim=64", "model.encoder_layers=1", "model.decoder_layers=1",
-        "train.max_steps=30", "train.valid_every=30", "train.threads=1", "train.precision=fp32"]  # fmt: skip
+        "train.max_steps=30", "train.valid_every=30", "train.threads=1", "train.precision=fp32",
+        "decode.max_len_a=0.5", "decode.max_len_b=4"]  # fmt: skip
 
 
 @pytest.mark.slow
