@@ -95,6 +95,17 @@ class Rows:
             return _GatherRows.apply(flat, self)
         return flat if self.padded == self.used else F.pad(flat, (0, 0, 0, self.padded - self.used))
 
+    def are(self, positions: Tensor) -> bool:
+        """Whether these rows are the flat positions `positions` lists, in its order, and as many rows
+        as it has: its real positions (ascending flat indices of the positions kept), then padding.
+        Then the stack's output is what a gather of `positions` would give, but for padding rows, and
+        needs neither `unflatten` nor that gather. Asked on a CPU and outside torch.compile only: a
+        GPU's rows are every position, and asking would make the host wait."""
+        if positions.device.type != "cpu" or torch.compiler.is_compiling() or positions.numel() != self.padded:
+            return False
+        listed = self.tokens if self.tokens is not None else torch.arange(self.used)
+        return torch.equal(positions[: self.used], listed)
+
     def per_sentence(self, sentences: int) -> Rows:
         """These rows read as `sentences` rows of queries: beams of one sentence folded into its query
         length, so the encoder's keys/values are stored, reordered and attended once per sentence,
@@ -198,10 +209,18 @@ class Memory:
     fell back to running eagerly.
     """
 
-    def __init__(self, memory: Tensor, src_mask: Tensor, multiple: int) -> None:
+    def __init__(self, memory: Tensor | None, src_mask: Tensor | None, multiple: int) -> None:
         self._memory, self._src_mask, self._multiple = memory, src_mask, multiple
         self._rows: Rows | None = None
         self._flat: Tensor | None = None
+
+    @classmethod
+    def of_rows(cls, flat: Tensor, rows: Rows) -> Memory:
+        """The encoder's own flat output rows as the memory: training reads them as they are, where
+        unflattening them and flattening them again took two gathers each way."""
+        memory = cls(None, None, rows.multiple)
+        memory._rows, memory._flat = rows, flat
+        return memory
 
     @property
     def rows(self) -> Rows:

@@ -89,6 +89,11 @@ class Seq2SeqTransformer(nn.Module):
 
     def encode(self, src: Tensor, src_mask: Tensor) -> Tensor:
         """src (B, S) ids, src_mask (B, 1, 1, S) -> memory (B, S, d); zeros where src_mask is False."""
+        h, rows = self._encoded_rows(src, src_mask)
+        return rows.unflatten(h)
+
+    def _encoded_rows(self, src: Tensor, src_mask: Tensor) -> tuple[Tensor, Rows]:
+        """The encoder's output as its flat rows (rows.padded, d), and where they lie."""
         multiple = row_multiple(src.device, self.src_embed.weight.dtype)
         rows = Rows.of(src_mask[:, 0, 0], multiple)  # execution.Rows: why the stack runs on flat rows
         x = self.embed_rows(self.src_embed, src, rows, 0)
@@ -96,12 +101,19 @@ class Seq2SeqTransformer(nn.Module):
         (x, h), next_norms = stack_input(x, running, self.encoder_norm, pre_norm=self.pre_norm)
         for layer, next_norm in zip(running, next_norms):
             x, h = layer(x, h, rows, src_mask, next_norm)
-        return rows.unflatten(h)
+        return h, rows
 
     def decode_hidden(self, tgt: Tensor, memory: Tensor, src_mask: Tensor, cache: DecoderCache | None = None) -> Tensor:
         """tgt (B, T) ids -> decoder output (B, T, d); with a cache, tgt holds only the new positions.
 
         Without a cache, tgt's PAD positions must trail its tokens (right padding); their outputs are zeros."""
+        h, rows = self._decoded_rows(tgt, memory, src_mask, cache)
+        return rows.unflatten(h)
+
+    def _decoded_rows(
+        self, tgt: Tensor, memory: Tensor | Memory, src_mask: Tensor, cache: DecoderCache | None = None
+    ) -> tuple[Tensor, Rows]:
+        """The decoder's output as its flat rows (rows.padded, d), and where they lie."""
         x, rows, memory = self._decoder_input(tgt, memory, src_mask, cache)
         running = [index for index in range(len(self.decoder_layers))
                    if not self._skipped(self.config.decoder_layerdrop)]  # fmt: skip
@@ -111,7 +123,7 @@ class Seq2SeqTransformer(nn.Module):
         for index, layer, memory_kv, next_norm in zip(running, layers, memory_kvs, next_norms):
             layer_cache = None if cache is None else cache.layers[index]
             x, h = layer(x, h, rows, memory_kv, src_mask, layer_cache, next_norm)
-        return rows.unflatten(h)
+        return h, rows
 
     def _memory_keys_values(
         self, running: list[int], rows: Rows, memory: Memory, cache: DecoderCache | None
@@ -131,7 +143,7 @@ class Seq2SeqTransformer(nn.Module):
         return [(cache.layers[index].cross_k, cache.layers[index].cross_v) for index in running]
 
     def _decoder_input(
-        self, tgt: Tensor, memory: Tensor, src_mask: Tensor, cache: DecoderCache | None
+        self, tgt: Tensor, memory: Tensor | Memory, src_mask: Tensor, cache: DecoderCache | None
     ) -> tuple[Tensor, Rows, Memory]:
         """The embedded target as flat rows, and the memory as the decoder layers read it.
 
@@ -140,7 +152,7 @@ class Seq2SeqTransformer(nn.Module):
         rows = Rows.of(tgt != PAD_ID, multiple) if cache is None else Rows(*tgt.shape, multiple)
         start = 0 if cache is None else cache.length
         x = self.embed_rows(self.tgt_embed, tgt, rows, start, self.config.target_word_dropout)
-        return x, rows, Memory(memory, src_mask, multiple)
+        return x, rows, memory if isinstance(memory, Memory) else Memory(memory, src_mask, multiple)
 
     def decode(self, tgt: Tensor, memory: Tensor, src_mask: Tensor, cache: DecoderCache | None = None) -> Tensor:
         """tgt (B, T) ids -> logits (B, T, V)."""
@@ -151,15 +163,20 @@ class Seq2SeqTransformer(nn.Module):
     ) -> Tensor:
         """Teacher forcing: logits (B, T, V) for every target position at once, or, given `positions`
         (N,) flat indices into B*T, logits (N, V) for those alone (training skips padded positions).
+        Where `positions` lists every real target position in order and then padding entries
+        (Batch.target_positions) as many as the decoder's flat rows, those rows are returned as they
+        stand (Rows.are): the padding entries' rows are then the stack's padding rows.
 
         With output_layer=False, the rows the output layer would read instead, (B, T, d) or (N, d):
         training's loss applies that layer itself, a chunk at a time (training/loss.py). A flag on
         forward rather than a method of its own, because DDP synchronises gradients only of what
         runs through forward."""
         src_mask = padding_mask(src)
-        hidden = self.decode_hidden(tgt_in, self.encode(src, src_mask), src_mask)
-        if positions is not None:
-            hidden = hidden.flatten(0, 1).index_select(0, positions)
+        hidden, rows = self._decoded_rows(tgt_in, Memory.of_rows(*self._encoded_rows(src, src_mask)), src_mask)
+        if positions is None:
+            hidden = rows.unflatten(hidden)
+        elif not rows.are(positions):  # where they are, the flat rows are the positions' rows as they stand
+            hidden = rows.unflatten(hidden).flatten(0, 1).index_select(0, positions)
         return self.output_proj(hidden) if output_layer else hidden
 
     def set_dropout(self, p: float) -> None:

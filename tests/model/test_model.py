@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 import seq2seq.model.dropout as dropout_module
 from seq2seq.config import ModelConfig
+from seq2seq.data.batching import POSITION_MULTIPLE
 from seq2seq.data.special_tokens import PAD_ID, padding_mask
 from seq2seq.model.cpu_kernels import SWITCH as CPU_KERNELS_SWITCH
 from seq2seq.model.embedding import sinusoidal_positions
@@ -19,6 +20,7 @@ from seq2seq.model.interop import to_torch_transformer
 from seq2seq.model.layers import memory_keys_values, stack_input
 from seq2seq.model.transformer import Seq2SeqTransformer
 from seq2seq.training.train_step import compile_for_training
+from tests.model.test_cpu_linear import DispatchedOps
 
 D_MODEL, HEADS, FFN, LAYERS, VOCAB = 32, 4, 64, 2, 50
 
@@ -209,6 +211,49 @@ def test_a_padded_batch_has_the_logits_and_gradients_of_its_sentences_alone(norm
     torch.testing.assert_close(batched_loss, alone_loss, atol=1e-4, rtol=1e-5)
     for batched_grad, alone_grad in zip(batched_grads, alone_grads):
         torch.testing.assert_close(batched_grad, alone_grad, atol=1e-5, rtol=1e-4)
+
+
+GATHERS = {"index_select", "index_fill_", "index_fill", "index_add", "index_add_", "index_copy_", "gather", "scatter"}
+
+
+@pytest.mark.parametrize("norm", ["post", "pre"])
+def test_bf16_training_reads_the_stacks_rows_as_they_stand(cpu_path, norm):
+    """A bf16 CPU step's flat rows are the batch's target positions as training lists them
+    (Batch.target_positions: the real ones in order, then padding to a multiple of 64), so the loss
+    reads the decoder's rows, and the cross-attentions the encoder's, as they stand: the real rows
+    and every gradient are those of the gathered positions, bit for bit, and with the fused kernels
+    the step gathers nothing, forward or backward. Positions listed otherwise are gathered."""
+    torch.manual_seed(0)
+    model = make_model(norm, dropout=0.1).to(torch.bfloat16).train()
+    src, tgt_in, tgt_out, _ = _padded_pairs()
+    real = (tgt_out.flatten() != PAD_ID).nonzero().squeeze(1)
+    positions = F.pad(real, (0, -real.numel() % POSITION_MULTIPLE))  # as batching.make_batch pads them
+    weights = torch.randn(real.numel(), D_MODEL)
+
+    def rows_and_gradients(forward) -> tuple[Tensor, list[Tensor]]:
+        torch.manual_seed(1)  # the same dropout masks
+        rows = forward()[: real.numel()]
+        model.zero_grad()
+        (rows.float() * weights).sum().backward()
+        return rows.detach(), [param.grad.clone() for param in model.parameters()]
+
+    with DispatchedOps() as dispatched:
+        flat, flat_gradients = rows_and_gradients(lambda: model(src, tgt_in, positions, output_layer=False))
+    mask = padding_mask(src)
+    gathered, gathered_gradients = rows_and_gradients(
+        lambda: model.decode_hidden(tgt_in, model.encode(src, mask), mask).flatten(0, 1)[positions]
+    )
+    assert torch.equal(flat, gathered)
+    for name, a, b in zip([name for name, _ in model.named_parameters()], flat_gradients, gathered_gradients):
+        assert torch.equal(a, b), name
+    if cpu_path == "fused":
+        assert not GATHERS & set(dispatched.names), sorted(GATHERS & set(dispatched.names))
+    shuffled = positions[torch.randperm(positions.numel())]  # positions in another order: gathered
+    with torch.no_grad():
+        torch.manual_seed(1)
+        rows = model(src, tgt_in, shuffled, output_layer=False)
+        torch.manual_seed(1)
+        assert torch.equal(rows, model.decode_hidden(tgt_in, model.encode(src, mask), mask).flatten(0, 1)[shuffled])
 
 
 def test_position_wise_layers_compute_the_tokens_and_not_the_padding_on_cpu(monkeypatch):
