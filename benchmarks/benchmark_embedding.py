@@ -21,7 +21,7 @@ from timing import seconds_per_call
 
 from seq2seq.config import ModelConfig
 from seq2seq.data.special_tokens import PAD_ID
-from seq2seq.model.execution import Rows, row_multiple
+from seq2seq.model.rows import Rows, row_multiple
 from seq2seq.model.transformer import Seq2SeqTransformer
 
 REFERENCE = "PyTorch's ops"

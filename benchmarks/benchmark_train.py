@@ -61,7 +61,7 @@ from seq2seq.errors import UserInputError
 from seq2seq.model.cpu_kernels import SWITCH as CPU_KERNELS_SWITCH
 from seq2seq.model.cpu_linear import mm
 from seq2seq.model.embedding import sinusoidal_positions
-from seq2seq.model.execution import Rows
+from seq2seq.model.rows import Rows
 from seq2seq.model.transformer import build_model
 from seq2seq.training.host_memory import HEAP_TRIM_EVERY, release_free_heap
 from seq2seq.training.precision import cpu_has_native_bf16

@@ -25,8 +25,8 @@ import torch
 from torch import Tensor
 
 from seq2seq.data.special_tokens import BOS_ID
-from seq2seq.model.execution import Memory, Rows
 from seq2seq.model.layers import memory_keys_values, stack_input
+from seq2seq.model.rows import Memory, Rows
 from seq2seq.model.transformer import Seq2SeqTransformer
 
 LENGTH_STEP = 32  # buffers hold a multiple of this many positions; they double when a search outgrows them

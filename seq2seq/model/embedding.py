@@ -1,5 +1,5 @@
 """A stack's input: token embeddings scaled by sqrt(d), sinusoidal positions added, dropout, as the
-stack's flat rows (execution.Rows).
+stack's flat rows (rows.Rows).
 
 Why a kernel of its own: PyTorch computes it as the embedding's gather, the scaling, the positions'
 addition (after computing their sinusoids), dropout and the gather of the kept positions into flat
@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from seq2seq.model.cpu_kernels import cpu_kernels
 from seq2seq.model.dropout import cheap_mask_fits, kernel_mask
-from seq2seq.model.execution import Rows
+from seq2seq.model.rows import Rows
 
 
 def sinusoidal_positions(positions: Tensor, d_model: int) -> Tensor:

@@ -1,9 +1,9 @@
 """The Transformer's layers as the paper writes them: multi-head attention, the position-wise
 feed-forward block, the residual connection with its LayerNorm, and the encoder and decoder layers.
 
-How they run fast is execution.py's: a layer's activations are flat rows (`rows` maps them to
-(batch, length) where attention needs it), `attention` picks the kernel, and the caches keep the
-decoder's keys and values. Weights use the standard layout (separate q/k/v/out projections,
+How they run fast is rows.py's and execution.py's: a layer's activations are flat rows (`Rows` maps
+them to (batch, length) where attention needs it), `attention` picks the kernel, and the caches
+keep the decoder's keys and values. Weights use the standard layout (separate q/k/v/out projections,
 fc1/fc2, one LayerNorm per sub-layer) so they map one-to-one onto fairseq/Marian/CTranslate2
 Transformer checkpoints.
 """
@@ -20,7 +20,8 @@ from seq2seq.config import ModelConfig
 from seq2seq.model.cpu_attention import FlatKeysValues, column_blocks, flat_attention, flat_attention_applies
 from seq2seq.model.cpu_linear import Linear, linear
 from seq2seq.model.dropout import Dropout, dropout_add, dropout_add_norm_for_two, dropout_add_then_norm
-from seq2seq.model.execution import LayerCache, Memory, Rows, attention, attention_dtype, probabilities, split_heads
+from seq2seq.model.execution import LayerCache, attention, attention_dtype, probabilities, split_heads
+from seq2seq.model.rows import Memory, Rows
 
 
 class MultiHeadAttention(nn.Module):

@@ -18,8 +18,9 @@ from seq2seq.data.special_tokens import PAD_ID, padding_mask
 from seq2seq.model.cpu_attention import FlatKeysValues, flat_attention_applies
 from seq2seq.model.dropout import Dropout
 from seq2seq.model.embedding import embedded_rows, fuses, sinusoidal_positions
-from seq2seq.model.execution import DecoderCache, Memory, Rows, row_multiple
+from seq2seq.model.execution import DecoderCache
 from seq2seq.model.layers import DecoderLayer, EncoderLayer, Residual, memory_keys_values, stack_input
+from seq2seq.model.rows import Memory, Rows, row_multiple
 
 
 class Seq2SeqTransformer(nn.Module):
@@ -95,7 +96,7 @@ class Seq2SeqTransformer(nn.Module):
     def _encoded_rows(self, src: Tensor, src_mask: Tensor) -> tuple[Tensor, Rows]:
         """The encoder's output as its flat rows (rows.padded, d), and where they lie."""
         multiple = row_multiple(src.device, self.src_embed.weight.dtype)
-        rows = Rows.of(src_mask[:, 0, 0], multiple)  # execution.Rows: why the stack runs on flat rows
+        rows = Rows.of(src_mask[:, 0, 0], multiple)  # rows.Rows: why the stack runs on flat rows
         x = self.embed_rows(self.src_embed, src, rows, 0)
         running = [layer for layer in self.encoder_layers if not self._skipped(self.config.encoder_layerdrop)]
         (x, h), next_norms = stack_input(x, running, self.encoder_norm, pre_norm=self.pre_norm)

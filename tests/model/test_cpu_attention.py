@@ -16,7 +16,7 @@ from seq2seq.data.special_tokens import PAD_ID
 from seq2seq.model import cpu_attention, layers
 from seq2seq.model.cpu_attention import flat_attention
 from seq2seq.model.cpu_kernels import CAPPED_TARGETS, SWITCH, _cpu_flags
-from seq2seq.model.execution import Rows
+from seq2seq.model.rows import Rows
 from seq2seq.model.transformer import Seq2SeqTransformer
 
 HEADS = 3

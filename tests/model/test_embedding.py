@@ -15,7 +15,7 @@ from seq2seq.config import ModelConfig
 from seq2seq.model import transformer
 from seq2seq.model.dropout import dropout, kernel_mask
 from seq2seq.model.embedding import embedded_rows, sinusoidal_positions
-from seq2seq.model.execution import Rows
+from seq2seq.model.rows import Rows
 from seq2seq.model.transformer import Seq2SeqTransformer
 
 VOCAB, WIDTH, LENGTH, P = 60, 20, 9, 0.3  # a width that is not a multiple of the 4 draws per word

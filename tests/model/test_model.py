@@ -15,9 +15,10 @@ from seq2seq.data.batching import POSITION_MULTIPLE
 from seq2seq.data.special_tokens import PAD_ID, padding_mask
 from seq2seq.model.cpu_kernels import SWITCH as CPU_KERNELS_SWITCH
 from seq2seq.model.embedding import sinusoidal_positions
-from seq2seq.model.execution import ROW_MULTIPLE, Memory, Rows, attention, split_heads
+from seq2seq.model.execution import attention, split_heads
 from seq2seq.model.interop import to_torch_transformer
 from seq2seq.model.layers import memory_keys_values, stack_input
+from seq2seq.model.rows import ROW_MULTIPLE, Memory, Rows
 from seq2seq.model.transformer import Seq2SeqTransformer
 from seq2seq.training.train_step import compile_for_training
 from tests.model.test_cpu_linear import DispatchedOps
@@ -257,7 +258,7 @@ def test_bf16_training_reads_the_stacks_rows_as_they_stand(cpu_path, norm):
 
 
 def test_position_wise_layers_compute_the_tokens_and_not_the_padding_on_cpu(monkeypatch):
-    """execution.Rows: on CPU, every linear but the output layer (self-attention's q, k, v projected
+    """rows.Rows: on CPU, every linear but the output layer (self-attention's q, k, v projected
     together, the cross-attentions' k, v of the memory, every decoder layer's in one product, the
     feed-forward) runs on the token positions alone."""
     model = make_model("pre", ffn_dim=5 * D_MODEL)  # every projection's width tells which it is
@@ -397,7 +398,7 @@ def test_beams_sharing_one_memory_row_equal_a_repeated_memory():
     src[1, 3:] = PAD_ID
     beams = 3
     tgt = torch.randint(4, VOCAB, (2 * beams, 5))
-    tgt[1, 3:] = PAD_ID  # a shorter target too: its PAD positions are skipped on CPU (execution.Rows)
+    tgt[1, 3:] = PAD_ID  # a shorter target too: its PAD positions are skipped on CPU (rows.Rows)
     with torch.no_grad():
         src_mask = padding_mask(src)
         memory = model.encode(src, src_mask)

@@ -16,7 +16,7 @@ from seq2seq.data.encoded import encode_pairs
 from seq2seq.data.special_tokens import PAD_ID, padding_mask
 from seq2seq.data.tokenizer import train_tokenizer
 from seq2seq.model.cpu_linear import onednn_runs_bf16
-from seq2seq.model.execution import ROW_MULTIPLE
+from seq2seq.model.rows import ROW_MULTIPLE
 from seq2seq.model.transformer import build_model
 from seq2seq.training.loss import output_layer_loss
 from seq2seq.training.run_log import current_rss_mb
