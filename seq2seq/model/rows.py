@@ -91,12 +91,13 @@ class Rows:
         return flat if self.padded == self.used else F.pad(flat, (0, 0, 0, self.padded - self.used))
 
     def are(self, positions: Tensor) -> bool:
-        """Whether these rows are the flat positions `positions` lists, in its order, and as many rows
-        as it has: its real positions (ascending flat indices of the positions kept), then padding.
-        Then the stack's output is what a gather of `positions` would give, but for padding rows, and
-        needs neither `unflatten` nor that gather. Asked on a CPU and outside torch.compile only: a
-        GPU's rows are every position, and asking would make the host wait."""
-        if positions.device.type != "cpu" or torch.compiler.is_compiling() or positions.numel() != self.padded:
+        """Whether these rows are the first rows of the flat positions `positions` lists: its real
+        positions in order (ascending flat indices of the positions kept), then padding entries, at
+        least as many as these rows. Then the stack's output, and zero rows for the entries past it,
+        is what a gather of `positions` would give, but for padding entries, without `unflatten` or
+        that gather. Asked on a CPU and outside torch.compile only: a GPU's rows are every position,
+        and asking would make the host wait."""
+        if positions.device.type != "cpu" or torch.compiler.is_compiling() or positions.numel() < self.padded:
             return False
         listed = self.tokens if self.tokens is not None else torch.arange(self.used)
         return torch.equal(positions[: self.used], listed)

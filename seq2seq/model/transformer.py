@@ -11,6 +11,7 @@ import math
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from seq2seq.config import ModelConfig
@@ -165,8 +166,8 @@ class Seq2SeqTransformer(nn.Module):
         """Teacher forcing: logits (B, T, V) for every target position at once, or, given `positions`
         (N,) flat indices into B*T, logits (N, V) for those alone (training skips padded positions).
         Where `positions` lists every real target position in order and then padding entries
-        (Batch.target_positions) as many as the decoder's flat rows, those rows are returned as they
-        stand (Rows.are): the padding entries' rows are then the stack's padding rows.
+        (Batch.target_positions), the decoder's flat rows are returned as they stand (Rows.are): the
+        padding entries' rows are then the stack's padding rows, or zeros past them.
 
         With output_layer=False, the rows the output layer would read instead, (B, T, d) or (N, d):
         training's loss applies that layer itself, a chunk at a time (training/loss.py). A flag on
@@ -176,8 +177,10 @@ class Seq2SeqTransformer(nn.Module):
         hidden, rows = self._decoded_rows(tgt_in, Memory.of_rows(*self._encoded_rows(src, src_mask)), src_mask)
         if positions is None:
             hidden = rows.unflatten(hidden)
-        elif not rows.are(positions):  # where they are, the flat rows are the positions' rows as they stand
+        elif not rows.are(positions):
             hidden = rows.unflatten(hidden).flatten(0, 1).index_select(0, positions)
+        elif positions.numel() > rows.padded:  # the flat rows as they stand, and a zero row per entry past them
+            hidden = F.pad(hidden, (0, 0, 0, positions.numel() - rows.padded))
         return self.output_proj(hidden) if output_layer else hidden
 
     def set_dropout(self, p: float) -> None:

@@ -217,15 +217,17 @@ def test_a_padded_batch_has_the_logits_and_gradients_of_its_sentences_alone(norm
 GATHERS = {"index_select", "index_fill_", "index_fill", "index_add", "index_add_", "index_copy_", "gather", "scatter"}
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("norm", ["post", "pre"])
-def test_bf16_training_reads_the_stacks_rows_as_they_stand(cpu_path, norm):
-    """A bf16 CPU step's flat rows are the batch's target positions as training lists them
-    (Batch.target_positions: the real ones in order, then padding to a multiple of 64), so the loss
-    reads the decoder's rows, and the cross-attentions the encoder's, as they stand: the real rows
-    and every gradient are those of the gathered positions, bit for bit, and with the fused kernels
-    the step gathers nothing, forward or backward. Positions listed otherwise are gathered."""
+def test_training_reads_the_stacks_rows_as_they_stand(cpu_path, norm, dtype):
+    """A CPU step's flat rows are the first of the batch's target positions as training lists them
+    (Batch.target_positions: the real ones in order, then padding to a multiple of 64, as bf16 rows
+    are padded), so the loss reads the decoder's rows, and the cross-attentions the encoder's, as
+    they stand: the real rows and every gradient are those of the gathered positions, bit for bit,
+    and with the fused kernels the step gathers nothing, forward or backward. Positions listed
+    otherwise are gathered."""
     torch.manual_seed(0)
-    model = make_model(norm, dropout=0.1).to(torch.bfloat16).train()
+    model = make_model(norm, dropout=0.1).to(dtype).train()
     src, tgt_in, tgt_out, _ = _padded_pairs()
     real = (tgt_out.flatten() != PAD_ID).nonzero().squeeze(1)
     positions = F.pad(real, (0, -real.numel() % POSITION_MULTIPLE))  # as batching.make_batch pads them
@@ -251,6 +253,7 @@ def test_bf16_training_reads_the_stacks_rows_as_they_stand(cpu_path, norm):
         assert not GATHERS & set(dispatched.names), sorted(GATHERS & set(dispatched.names))
     shuffled = positions[torch.randperm(positions.numel())]  # positions in another order: gathered
     with torch.no_grad():
+        assert model(src, tgt_in, positions, output_layer=False).shape == (positions.numel(), D_MODEL)
         torch.manual_seed(1)
         rows = model(src, tgt_in, shuffled, output_layer=False)
         torch.manual_seed(1)
