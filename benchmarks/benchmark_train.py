@@ -64,9 +64,10 @@ from seq2seq.model.embedding import sinusoidal_positions
 from seq2seq.model.rows import Rows
 from seq2seq.model.transformer import build_model
 from seq2seq.training.host_memory import HEAP_TRIM_EVERY, release_free_heap
+from seq2seq.training.optimizer import build_optimizer
 from seq2seq.training.precision import cpu_has_native_bf16
 from seq2seq.training.run_log import PeakRss, current_rss_mb, peak_memory_mb
-from seq2seq.training.train_step import build_optimizer, build_scaler, compile_for_training, train_step
+from seq2seq.training.train_step import build_scaler, compile_for_training, train_step
 from seq2seq.training.working_copy import working_copy_for
 
 COMMON = ["model.norm=post", "model.dropout=0.1", "model.share_embeddings=true"]

@@ -31,7 +31,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from seq2seq.data.batching import make_batch
 from seq2seq.model.transformer import build_model
-from seq2seq.training.train_step import build_optimizer, build_scaler, compile_for_training, train_step
+from seq2seq.training.optimizer import build_optimizer
+from seq2seq.training.train_step import build_scaler, compile_for_training, train_step
 from seq2seq.training.working_copy import working_copy_for
 
 LAUNCH_CALLS = {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx"}

@@ -9,13 +9,11 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
-#include <ATen/ops/scalar_tensor.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include "cpu_kernels.h"
 
-#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -115,35 +113,6 @@ void add_bf16_(at::Tensor out, const at::Tensor& addend) {
   });
 }
 
-// The sum of the squares of a flat bf16 tensor (gradients), in fp64: fixed blocks of kSquareBlock
-// elements each summed in fp32 (in kSquareLanes sums side by side, which vectorise), the blocks' sums
-// added in order, so any thread count gives the same bits and millions of squares keep fp32's precision.
-constexpr int64_t kSquareBlock = 1 << 12, kSquareLanes = 64;
-
-at::Tensor square_sum(const at::Tensor& values) {
-  TORCH_CHECK(values.device().is_cpu() && values.is_contiguous() && values.scalar_type() == at::kBFloat16,
-              "expected a contiguous bf16 CPU tensor");
-  const c10::BFloat16* data = values.data_ptr<c10::BFloat16>();
-  const int64_t count = values.numel(), blocks = (count + kSquareBlock - 1) / kSquareBlock;
-  std::vector<double> partial(static_cast<size_t>(blocks), 0.0);
-  at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
-    for (int64_t block = first; block < last; ++block) {
-      const int64_t begin = block * kSquareBlock, end = std::min(count, begin + kSquareBlock);
-      float lanes[kSquareLanes] = {};
-      int64_t i = begin;
-      for (; i + kSquareLanes <= end; i += kSquareLanes)
-        for (int64_t lane = 0; lane < kSquareLanes; ++lane) lanes[lane] += load(data[i + lane]) * load(data[i + lane]);
-      for (; i < end; ++i) lanes[0] += load(data[i]) * load(data[i]);
-      float sum = 0.0f;
-      for (float lane : lanes) sum += lane;
-      partial[block] = sum;
-    }
-  });
-  double total = 0.0;
-  for (double block_sum : partial) total += block_sum;
-  return at::scalar_tensor(total, values.options().dtype(at::kDouble));
-}
-
 // out = values * scale, fp32 from bf16 in one pass (a cast and a scaling): the gradients handed to
 // fp32 master weights, clipped. scale: a one-element fp32 CPU tensor (no read into Python per step).
 void widen_scaled_(at::Tensor out, const at::Tensor& values, const at::Tensor& scale) {
@@ -230,7 +199,6 @@ at::Tensor dropout(const at::Tensor& x, const std::optional<at::Tensor>& addend,
 TORCH_LIBRARY(seq2seq_cpu, m) {
   m.def("label_smoothed_loss_(Tensor(a!) logits, Tensor target, float smoothing) -> Tensor");
   m.def("add_bf16_(Tensor(a!) out, Tensor addend) -> ()");
-  m.def("square_sum(Tensor values) -> Tensor");
   m.def("widen_scaled_(Tensor(a!) out, Tensor values, Tensor scale) -> ()");
   m.def("dropout(Tensor x, Tensor? addend, Tensor seed, int dropped_below, float scale) -> Tensor");
 }
@@ -238,7 +206,6 @@ TORCH_LIBRARY(seq2seq_cpu, m) {
 TORCH_LIBRARY_IMPL(seq2seq_cpu, CPU, m) {
   m.impl("label_smoothed_loss_", &label_smoothed_loss_);
   m.impl("add_bf16_", &add_bf16_);
-  m.impl("square_sum", &square_sum);
   m.impl("widen_scaled_", &widen_scaled_);
   m.impl("dropout", &dropout);
 }

@@ -1,6 +1,6 @@
 // What the fused CPU kernels share (cpu_kernels.cpp, cpu_attention.cpp, cpu_residual_norm.cpp,
-// cpu_embedding.cpp): bf16 loads and stores that round as PyTorch's casts do, an exp that the compiler
-// vectorises, and dropout's random bits.
+// cpu_embedding.cpp, cpu_optimizer.cpp): bf16 loads and stores that round as PyTorch's casts do, an
+// exp that the compiler vectorises, and dropout's random bits.
 
 #pragma once
 

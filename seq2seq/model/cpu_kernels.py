@@ -1,5 +1,5 @@
-"""Fused CPU kernels (cpu_kernels.cpp, cpu_attention.cpp, cpu_residual_norm.cpp, cpu_linear.cpp),
-built for this machine the first time they are needed.
+"""Fused CPU kernels (cpu_kernels.cpp, cpu_attention.cpp, cpu_residual_norm.cpp, cpu_linear.cpp,
+cpu_embedding.cpp, cpu_optimizer.cpp), built for this machine the first time they are needed.
 
 Where a CPU's matrix products are fast (bf16 on AMX), a training step is bound by the memory traffic
 of the work between them. PyTorch runs that work as one pass over a whole tensor per operation, each
@@ -34,10 +34,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(
-    Path(__file__).with_name(name)
-    for name in ("cpu_kernels.cpp", "cpu_attention.cpp", "cpu_residual_norm.cpp", "cpu_linear.cpp", "cpu_embedding.cpp")
-)
+KERNEL_FILES = ("cpu_kernels", "cpu_attention", "cpu_residual_norm", "cpu_linear", "cpu_embedding", "cpu_optimizer")
+SOURCES = tuple(Path(__file__).with_name(f"{name}.cpp") for name in KERNEL_FILES)
 HEADER = Path(__file__).with_name("cpu_kernels.h")
 SWITCH = "SEQ2SEQ_CPU_KERNELS"  # "0": never build or use them (compare speed, rule them out)
 # -ffp-contract=off: no multiply and add fused into one rounding, so that a sum rounds as PyTorch's
@@ -46,7 +44,9 @@ SWITCH = "SEQ2SEQ_CPU_KERNELS"  # "0": never build or use them (compare speed, r
 # vectorise a loop whose elements choose between two values (`kept ? x * scale : 0`, a clamp before
 # exp) below AVX-512, whose masks it uses instead: on AVX2 the softmax, dropout and loss loops ran
 # one float at a time. It changes no result: each element's operations and their rounding stay.
-COMPILE_FLAGS = ("-O3", "-ffp-contract=off", "-fno-trapping-math")
+# -fno-math-errno: nor does anything read errno, which std::sqrt would otherwise set for a negative
+# argument, through a branch that leaves the loop around it scalar (Adam's update, cpu_optimizer.cpp).
+COMPILE_FLAGS = ("-O3", "-ffp-contract=off", "-fno-trapping-math", "-fno-math-errno")
 # PyTorch's own cap on the vector instructions of its CPU kernels, which ours follow too: an AVX-512
 # machine run with ATEN_CPU_CAPABILITY=avx2 stands in for an AVX2-only one (benchmarks/ledger.py).
 CAPPED_TARGETS = {"default": "-march=x86-64", "avx2": "-march=haswell"}

@@ -20,7 +20,8 @@ from seq2seq.config import Config
 from seq2seq.data.prepare import TrainingData
 from seq2seq.data.tokenizer import Tokenizer
 from seq2seq.model.transformer import build_model
-from seq2seq.training.train_step import build_optimizer, build_scaler
+from seq2seq.training.optimizer import build_optimizer
+from seq2seq.training.train_step import build_scaler
 from seq2seq.training.weight_average import ExponentialAverage
 from seq2seq.training.working_copy import WorkingCopy, working_copy_for
 

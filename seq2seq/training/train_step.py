@@ -3,7 +3,8 @@
 In the canonical order: autocast forward (or a bf16 working copy's) -> scaled backward -> unscale ->
 clip -> step -> update -> zero_grad. Nothing here reads a tensor's value into Python, so on a GPU a
 step never waits for the device (a host sync); what the step measured comes back as device tensors,
-read when the trainer logs. The optimizer and loss scaler that the step needs are built here too.
+read when the trainer logs. The loss scaler that the step needs is built here too (the optimizer in
+optimizer.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from seq2seq.config import TrainConfig
 from seq2seq.data.batching import Batch
 from seq2seq.errors import UserInputError
 from seq2seq.training.loss import output_layer_loss
+from seq2seq.training.optimizer import step_on_flag
 from seq2seq.training.working_copy import WorkingCopy
 
 log = logging.getLogger(__name__)
@@ -47,14 +49,6 @@ def autocast(device: torch.device, precision: str) -> contextlib.AbstractContext
         raise ValueError(f"precision {precision!r}: expected fp32, bf16 or fp16 (resolve 'auto' first)")
     dtype = AUTOCAST_DTYPES.get(precision)
     return torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None)
-
-
-def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
-    """Adam or AdamW, fused: one kernel for all parameters, which can skip an update on a device flag."""
-    optimizer_class = torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.Adam
-    return optimizer_class(
-        model.parameters(), lr=0.0, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay, fused=True
-    )
 
 
 def compile_for_training(module: nn.Module) -> Callable[..., Tensor]:
@@ -111,7 +105,8 @@ def train_step(
     as wrapped for training (DDP, torch.compile; default: `model`); under DDP, pass the wrapper as
     `ddp` too, so that inner accumulation steps skip its gradient all-reduce. With a `working` copy
     (bf16 weights, working_copy.py), the passes run on it outside autocast (`forward` and `ddp` wrap
-    it), its gradients go to `model`'s fp32 weights for the update, and it is refreshed after it.
+    it), and it ends the update (`WorkingCopy.update`): its gradients step `model`'s fp32 weights and
+    it is made again from them.
     """
     runs = model if working is None else working.model
     if forward is None:  # not `or`: a compiled module has no truth value
@@ -138,31 +133,23 @@ def train_step(
     if working is None:
         scaler.unscale_(optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        skipped = ~torch.isfinite(grad_norm)  # any inf/NaN gradient makes the norm non-finite
+        step_unless_skipped(optimizer, scaler, skipped)
     else:  # bf16: no loss scaling to undo
-        grad_norm = working.hand_over(max_norm)
-    skipped = ~torch.isfinite(grad_norm)  # any inf/NaN gradient makes the norm non-finite
-    step_unless_skipped(optimizer, scaler, skipped)
+        grad_norm, skipped = working.update(optimizer, max_norm)
     optimizer.zero_grad(set_to_none=True)
-    if working is not None:
-        working.refresh()
     return StepResult(loss_sum, skipped, grad_norm)
 
 
 def step_unless_skipped(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, skipped: Tensor) -> None:
-    """Apply the update unless the device flag `skipped` is set, without reading the flag on the host.
-
-    A fused optimizer leaves parameters and state alone when its `found_inf` tensor is non-zero; the
-    fp16 scaler hands it its own overflow flag, and for the other precisions we hand it `skipped`.
-    """
+    """Apply the update unless the device flag `skipped` is set, without reading the flag on the host:
+    the fp16 scaler hands the optimizer its own overflow flag, and for the other precisions we hand
+    it `skipped`."""
     if scaler.is_enabled():
         scaler.step(optimizer)
         scaler.update()
         return
-    optimizer.found_inf = skipped.float()
-    try:
-        optimizer.step()
-    finally:
-        del optimizer.found_inf
+    step_on_flag(optimizer, skipped)
 
 
 MAX_SKIPPED_IN_A_ROW = 20  # fp16 loss scaling alone can skip a few in a row; this many means divergence

@@ -7,9 +7,10 @@ little where matrix products are slow and a large share of the step where they a
 GPUs).
 
 Here the model that trains (the optimizer's, the checkpoint's, validation's) keeps its fp32
-weights, the master copy. The forward and backward passes run on a bf16 copy of it, made once after
-each optimizer step (`refresh`); its gradients are handed to the master in one pass (`hand_over`),
-clipped on the way, and the optimizer works in fp32 as before. In between, activations stay in bf16:
+weights, the master copy. The forward and backward passes run on a bf16 copy of it. `update` ends an
+update: its gradients are handed to the master in one pass (`hand_over`), clipped on the way, the
+optimizer works in fp32 as before, and the copy is made again from the master (`refresh`); on a CPU
+with the fused kernels the last three are one pass (training/optimizer.py). In between, activations stay in bf16:
 the residual stream, attention's inputs, LayerNorm's inputs and outputs (PyTorch computes
 LayerNorm's statistics in fp32 for bf16 input), the output layer's rows (the loss computes its
 softmax in fp32, training/loss.py). The gradients of an update's accumulation steps add up in bf16,
@@ -24,6 +25,7 @@ import torch
 from torch import nn
 
 from seq2seq.model.cpu_kernels import cpu_kernels
+from seq2seq.training.optimizer import adam_update_cpu, step_on_flag
 
 
 class WorkingCopy:
@@ -52,6 +54,26 @@ class WorkingCopy:
         self._weights.copy_(self._masters)
 
     @torch.no_grad()
+    def update(self, optimizer: torch.optim.Optimizer, max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step `optimizer` (over the master weights) with the working copy's gradients, clipped as
+        `hand_over` clips them, unless their norm is not finite; clear them and refresh the copy.
+        Return their norm before clipping and whether the update was skipped, both on the device."""
+        given = [(master, working) for master, working in self._pairs if working.grad is not None]
+        kernels = self._kernels()
+        if kernels is not None and given:
+            norm = kernels.square_sum([working.grad.contiguous() for _, working in given]).sqrt().float()
+            skipped = ~torch.isfinite(norm)
+            if adam_update_cpu(optimizer, given, _clip_coefficient(norm, max_norm), skipped):
+                for _, working in given:
+                    working.grad = None
+                return norm, skipped
+        norm = self.hand_over(max_norm)
+        skipped = ~torch.isfinite(norm)  # any inf/NaN gradient makes the norm non-finite
+        step_on_flag(optimizer, skipped)
+        self.refresh()
+        return norm, skipped
+
+    @torch.no_grad()
     def hand_over(self, max_norm: float) -> torch.Tensor:
         """Move the working copy's gradients to the master weights, cast to fp32 and clipped as
         torch.nn.utils.clip_grad_norm_(max_norm) clips them, and clear them; return their norm before
@@ -74,15 +96,20 @@ class WorkingCopy:
         """The gathered gradients' norm; the master gradients set to them, cast and clipped. On a CPU
         with the fused kernels the norm is taken of the bf16 gradients (the values the fp32 ones
         hold) and the cast and the scaling are one pass; elsewhere the cast, a norm and a scaling."""
-        kernels = cpu_kernels() if self._grads.device.type == "cpu" and self._grads.dtype == torch.bfloat16 else None
+        kernels = self._kernels()
         if kernels is None:
             self._master_grads.copy_(self._grads)  # the one conversion
             norm = torch.linalg.vector_norm(self._master_grads)
             self._master_grads.mul_(_clip_coefficient(norm, max_norm))
             return norm
-        norm = kernels.square_sum(self._grads).sqrt().float()
+        norm = kernels.square_sum([self._grads]).sqrt().float()
         kernels.widen_scaled_(self._master_grads, self._grads, _clip_coefficient(norm, max_norm))
         return norm
+
+    def _kernels(self):
+        """The fused CPU kernels where they apply (a bf16 copy on a CPU), else None."""
+        on_cpu = self._grads.device.type == "cpu" and self._grads.dtype == torch.bfloat16
+        return cpu_kernels() if on_cpu else None
 
 
 def _clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:

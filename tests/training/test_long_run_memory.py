@@ -19,8 +19,9 @@ from seq2seq.model.cpu_linear import onednn_runs_bf16
 from seq2seq.model.rows import ROW_MULTIPLE
 from seq2seq.model.transformer import build_model
 from seq2seq.training.loss import output_layer_loss
+from seq2seq.training.optimizer import build_optimizer
 from seq2seq.training.run_log import current_rss_mb
-from seq2seq.training.train_step import build_optimizer, build_scaler, train_step
+from seq2seq.training.train_step import build_scaler, train_step
 
 MODEL = ModelConfig(d_model=64, heads=4, encoder_layers=1, decoder_layers=1, ffn_dim=128)
 CPU = torch.device("cpu")

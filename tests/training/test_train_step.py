@@ -10,7 +10,8 @@ from seq2seq.data.batching import epoch_batches, make_batch
 from seq2seq.data.encoded import encode_pairs
 from seq2seq.data.tokenizer import train_tokenizer
 from seq2seq.model.transformer import build_model
-from seq2seq.training.train_step import build_optimizer, build_scaler, train_step
+from seq2seq.training.optimizer import build_optimizer
+from seq2seq.training.train_step import build_scaler, train_step
 
 MODEL = ModelConfig(d_model=96, heads=4, encoder_layers=2, decoder_layers=2, ffn_dim=192, dropout=0.0)
 CPU = torch.device("cpu")

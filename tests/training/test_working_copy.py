@@ -1,6 +1,7 @@
 """bf16 training on a working copy (training/working_copy.py): its update follows the fp32 gradient,
 the master weights stay fp32 and the copy is their rounding after every update, a weight that got no
-gradient is left alone, and a resumed bf16 run is the uninterrupted one."""
+gradient is left alone, the end of an update is PyTorch's clipping and Adam, and a resumed bf16 run
+is the uninterrupted one."""
 
 from __future__ import annotations
 
@@ -145,3 +146,60 @@ def test_a_resumed_bf16_run_is_the_uninterrupted_one(tmp_path, tiny_data):
     assert ours.progress.step == theirs.progress.step == 6
     for name, tensor in theirs.model.items():
         assert tensor.dtype == torch.float32 and torch.equal(ours.model[name], tensor), name
+
+
+@pytest.mark.parametrize("optimizer_class", [torch.optim.AdamW, torch.optim.Adam])
+def test_a_working_copy_update_is_pytorchs_adam_on_the_clipped_gradients(tokenizer_and_batch, cpu_path,
+                                                                         optimizer_class, monkeypatch):  # fmt: skip
+    """The end of a bf16 update (the norm, the clipping, Adam or AdamW with weight decay, the working copy
+    made again) against PyTorch's Adam on fp32 weights given the same gradients, clipped by
+    torch.nn.utils: through the updates where the clipping bites, where only some weights get a gradient
+    (LayerDrop) and where a NaN skips the update. With the fused kernels every update after the first
+    (whose step creates the optimizer's state) is their one pass (cpu_optimizer.cpp)."""
+    import seq2seq.training.working_copy as working_copy_module
+
+    model = build_model(MODEL, tokenizer_and_batch[0])
+    reference = [master.detach().clone().requires_grad_() for master in model.parameters()]
+    working = working_copy_for(model, "bf16")
+    settings = dict(lr=1e-3, betas=(0.9, 0.98), eps=1e-9, weight_decay=0.1, fused=True)
+    ours, theirs = optimizer_class(model.parameters(), **settings), optimizer_class(reference, **settings)
+    pytorch_steps = []
+    step_on_flag = working_copy_module.step_on_flag
+    monkeypatch.setattr(working_copy_module, "step_on_flag", lambda *a: pytorch_steps.append(1) or step_on_flag(*a))
+    copies = list(working.model.parameters())
+    generator = torch.Generator().manual_seed(0)
+    # (the weights given a gradient, its size, a NaN in it): plain, clipped, LayerDrop, skipped, clipped
+    updates = [(copies, 0.01, False), (copies, 1.0, False), (copies[::2], 0.01, False), (copies, 0.01, True)]
+    for update, (given, size, poisoned) in enumerate([*updates, (copies, 1.0, False)]):
+        for weight in given:
+            weight.grad = (torch.randn(weight.shape, generator=generator) * size).bfloat16()
+        if poisoned:
+            given[1].grad[0] = float("nan")
+        for their, copy in zip(reference, copies, strict=True):
+            their.grad = None if copy.grad is None else copy.grad.float()
+        expected_norm = torch.nn.utils.clip_grad_norm_([t for t in reference if t.grad is not None], 1.0)
+        if not poisoned:
+            theirs.step()
+        norm, skipped = working.update(ours, 1.0)
+        ours.zero_grad(set_to_none=True)
+        theirs.zero_grad(set_to_none=True)
+
+        assert bool(skipped) == poisoned
+        torch.testing.assert_close(norm, expected_norm, rtol=1e-5, atol=0, equal_nan=True)
+        if update == 1:
+            assert expected_norm > 1.0  # the clipping bit
+        # the norms' sums in another order: the clipped gradients a rounding apart, which Adam's moments
+        # carry (near zero, relatively more), so each is held to the rounding of its largest, and a
+        # weight to a thousandth of a step (lr): a wrong term would move it by about a whole one
+        for master, their, copy in zip(model.parameters(), reference, copies, strict=True):
+            torch.testing.assert_close(master, their, rtol=1e-5, atol=1e-3 * settings["lr"])
+            assert torch.equal(copy, master.detach().bfloat16())
+            assert copy.grad is None
+            state, their_state = ours.state.get(master), theirs.state.get(their)
+            assert (state is None) == (their_state is None)
+            if state is not None:
+                assert torch.equal(state["step"], their_state["step"])
+                for moment in ("exp_avg", "exp_avg_sq"):
+                    largest = their_state[moment].abs().max().item()
+                    torch.testing.assert_close(state[moment], their_state[moment], rtol=1e-5, atol=1e-5 * largest)
+    assert pytorch_steps == ([1] if cpu_path == "fused" else [1] * 5)
