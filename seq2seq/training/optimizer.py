@@ -43,15 +43,15 @@ def adam_update_cpu(optimizer: torch.optim.Optimizer, pairs: list[tuple[Tensor, 
     """One step of `optimizer` on each (fp32 master, bf16 working weight) pair in `pairs`, from the working
     weight's gradient times `scale`, unless `skipped` is set, writing each moved master's bf16 rounding
     into its working weight; a master with no pair or whose working weight has no gradient is left
-    alone, as PyTorch leaves a weight without a gradient. True where done; False, with nothing changed,
-    where it does not apply: without the fused CPU kernels, for an optimizer other than Adam(W) or with
-    options the kernel lacks (amsgrad, maximize), and for a weight's first update, whose state
-    PyTorch's own step creates."""
+    alone, as PyTorch leaves a weight without a gradient. A weight's first update creates its state as
+    PyTorch's Adam creates it (zero moments, a step count of 0 before it). True where done; False,
+    with nothing changed, where it does not apply: without the fused CPU kernels, for an optimizer
+    other than Adam(W) or with options the kernel lacks (amsgrad, maximize)."""
     kernels = cpu_kernels()
     if kernels is None or not isinstance(optimizer, torch.optim.Adam):
         return False
     working_of = {id(master): working for master, working in pairs}
-    calls = []
+    calls, new_states = [], {}
     for group in optimizer.param_groups:
         if group["amsgrad"] or group["maximize"] or group["differentiable"] or group["capturable"]:
             return False
@@ -60,19 +60,31 @@ def adam_update_cpu(optimizer: torch.optim.Optimizer, pairs: list[tuple[Tensor, 
             working = working_of.get(id(master))
             if working is None or working.grad is None:
                 continue
-            state = optimizer.state.get(master, {})
+            state = optimizer.state.get(master)
+            if not state:  # its first update (a skipped one creates it too, as PyTorch's does)
+                state = new_states[master] = _first_state(master)
             if not _kernel_state(state, master):
                 return False
             for values, tensor in zip(lists, (master, state["exp_avg"], state["exp_avg_sq"], state["step"], working,
                                               working.grad.contiguous())):  # fmt: skip
                 values.append(tensor.detach())
         calls.append((group, lists))
+    optimizer.state.update(new_states)
     for group, lists in calls:
         if lists[0]:
             beta1, beta2 = group["betas"]
             kernels.adam_update_(*lists, scale, skipped, float(group["lr"]), beta1, beta2, group["eps"],
                                  group["weight_decay"], group["decoupled_weight_decay"])  # fmt: skip
     return True
+
+
+def _first_state(master: Tensor) -> dict[str, Tensor]:
+    """A weight's Adam state before its first update, as torch.optim.Adam(fused=True) creates it."""
+    return {
+        "step": torch.zeros((), dtype=torch.float32, device=master.device),
+        "exp_avg": torch.zeros_like(master, memory_format=torch.preserve_format),
+        "exp_avg_sq": torch.zeros_like(master, memory_format=torch.preserve_format),
+    }
 
 
 def _kernel_state(state: dict, master: Tensor) -> bool:

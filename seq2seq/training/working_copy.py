@@ -43,9 +43,11 @@ class WorkingCopy:
         self._masters = _flatten(masters)
         self._weights = _flatten(working)
         self._grads = torch.zeros_like(self._weights)  # the working gradients, gathered
-        self._master_grads = torch.zeros_like(self._masters)
         self._grad_views = _views(self._grads, working)
-        self._master_grad_views = _views(self._master_grads, masters)
+        # the fp32 gradients handed to the masters (4 bytes a weight): made when `hand_over` first runs,
+        # which `update` never calls on a CPU with the fused kernels
+        self._master_grads: torch.Tensor | None = None
+        self._master_grad_views: list[torch.Tensor] = []
 
     @torch.no_grad()
     def refresh(self) -> None:
@@ -81,6 +83,9 @@ class WorkingCopy:
         scaling per weight. A weight that got no gradient this update (a layer LayerDrop skipped)
         gets none, and counts as zeros in the norm."""
         given = [index for index, (_, working) in enumerate(self._pairs) if working.grad is not None]
+        if self._master_grads is None:
+            self._master_grads = torch.zeros_like(self._masters)
+            self._master_grad_views = _views(self._master_grads, [master for master, _ in self._pairs])
         torch._foreach_copy_([self._grad_views[i] for i in given], [self._pairs[i][1].grad for i in given])
         missing = set(range(len(self._pairs))).difference(given)
         if missing:
