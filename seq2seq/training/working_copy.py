@@ -42,10 +42,11 @@ class WorkingCopy:
         self._pairs = list(zip(masters, working))
         self._masters = _flatten(masters)
         self._weights = _flatten(working)
-        self._grads = torch.zeros_like(self._weights)  # the working gradients, gathered
-        self._grad_views = _views(self._grads, working)
-        # the fp32 gradients handed to the masters (4 bytes a weight): made when `hand_over` first runs,
-        # which `update` never calls on a CPU with the fused kernels
+        # hand_over's flat buffers (the working gradients gathered, 2 bytes a weight, and the fp32 ones
+        # handed to the masters, 4): made when it first runs, which `update` never calls on a CPU
+        # with the fused kernels
+        self._grads: torch.Tensor | None = None
+        self._grad_views: list[torch.Tensor] = []
         self._master_grads: torch.Tensor | None = None
         self._master_grad_views: list[torch.Tensor] = []
 
@@ -83,7 +84,9 @@ class WorkingCopy:
         scaling per weight. A weight that got no gradient this update (a layer LayerDrop skipped)
         gets none, and counts as zeros in the norm."""
         given = [index for index, (_, working) in enumerate(self._pairs) if working.grad is not None]
-        if self._master_grads is None:
+        if self._grads is None:
+            self._grads = torch.zeros_like(self._weights)
+            self._grad_views = _views(self._grads, [working for _, working in self._pairs])
             self._master_grads = torch.zeros_like(self._masters)
             self._master_grad_views = _views(self._master_grads, [master for master, _ in self._pairs])
         torch._foreach_copy_([self._grad_views[i] for i in given], [self._pairs[i][1].grad for i in given])
@@ -113,7 +116,7 @@ class WorkingCopy:
 
     def _kernels(self):
         """The fused CPU kernels where they apply (a bf16 copy on a CPU), else None."""
-        on_cpu = self._grads.device.type == "cpu" and self._grads.dtype == torch.bfloat16
+        on_cpu = self._weights.device.type == "cpu" and self._weights.dtype == torch.bfloat16
         return cpu_kernels() if on_cpu else None
 
 
