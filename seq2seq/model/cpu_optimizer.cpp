@@ -1,4 +1,4 @@
-// The end of a bf16 update on a CPU in two passes over the weights (training/working_copy.py says why):
+// The end of a bf16 update on a CPU in two passes over the weights (training/optimizer.py says why):
 // the norm of the working copy's gradients where autograd left them, then one pass that clips each
 // gradient, applies Adam or AdamW to the fp32 master weights and their moments, and writes the bf16
 // working copy of each weight it moved. The path before took five: the gradients gathered into one

@@ -10,10 +10,10 @@ Here the model that trains (the optimizer's, the checkpoint's, validation's) kee
 weights, the master copy. The forward and backward passes run on a bf16 copy of it. `update` ends an
 update: its gradients are handed to the master in one pass (`hand_over`), clipped on the way, the
 optimizer works in fp32 as before, and the copy is made again from the master (`refresh`); on a CPU
-with the fused kernels the last three are one pass (training/optimizer.py). In between, activations stay in bf16:
-the residual stream, attention's inputs, LayerNorm's inputs and outputs (PyTorch computes
-LayerNorm's statistics in fp32 for bf16 input), the output layer's rows (the loss computes its
-softmax in fp32, training/loss.py). The gradients of an update's accumulation steps add up in bf16,
+with the fused kernels the last three are one pass (training/optimizer.py). In between, activations
+stay in bf16: the residual stream, attention's inputs, LayerNorm's inputs and outputs (PyTorch
+computes LayerNorm's statistics in fp32 for bf16 input), the output layer's rows (the loss computes
+its softmax in fp32, training/loss.py). The gradients of an update's accumulation steps add up in bf16,
 as DDP averages them. The model's own code is unchanged; it runs in whatever dtype its weights have.
 """
 
