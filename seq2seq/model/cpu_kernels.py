@@ -21,6 +21,7 @@ path, which computes the same (tests hold the two paths to each other).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
@@ -77,7 +78,9 @@ def _built():
 
 def _load() -> None:
     """Load the cached build for this machine, or build it (in a fresh folder, then renamed into the
-    cache: builds that race, from two processes, each finish and the last rename wins)."""
+    cache), one process at a time: processes that want the kernels at once (pytest's workers, DDP's
+    ranks on one machine) wait for the first one's build and load it, where each built its own copy,
+    side by side on the same cores."""
     openmp = _openmp_runtime()
     flags = [*COMPILE_FLAGS, *_target(), "-fopenmp" if openmp else "-fopenmp-simd"]
     texts = [path.read_text() for path in (*SOURCES, HEADER)]
@@ -85,22 +88,42 @@ def _load() -> None:
                          .encode()).hexdigest()[:16]  # fmt: skip
     cache = _cache_dir()
     built = cache / f"seq2seq_cpu_{key}.so"
-    if built.exists():
-        torch.ops.load_library(str(built))
-        return
+    if not built.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        with _one_build_at_a_time(cache):
+            if not built.exists():  # else another process built it while this one waited
+                _build(built, flags, openmp)
+                return  # the builder loaded it
+    torch.ops.load_library(str(built))
+
+
+def _build(built: Path, flags: list[str], openmp: str | None) -> None:
+    """Build the kernels into `built` and load them."""
     log.info("building the fused CPU kernels for this machine (once, a few seconds)")
-    cache.mkdir(parents=True, exist_ok=True)
+    cache = built.parent
     work = Path(tempfile.mkdtemp(dir=cache, prefix="build-"))
     try:
         from torch.utils import cpp_extension
 
         with _ninja_on_path():
-            cpp_extension.load(f"seq2seq_cpu_{key}", [str(path) for path in SOURCES], extra_cflags=flags,
+            cpp_extension.load(built.stem, [str(path) for path in SOURCES], extra_cflags=flags,
                                is_python_module=False, extra_ldflags=[openmp] if openmp else [],
                                build_directory=str(work))  # fmt: skip
         os.replace(work / built.name, built)  # loaded above; later processes load the cached file
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _one_build_at_a_time(cache: Path):
+    """An exclusive lock on the cache folder for the block: an flock on the folder itself, so that
+    nothing is left in it, and the kernel frees it if the process dies."""
+    folder = os.open(cache, os.O_RDONLY)
+    try:
+        fcntl.flock(folder, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(folder)  # which releases the lock
 
 
 def _target() -> list[str]:

@@ -9,12 +9,14 @@ import platform
 import shutil
 import subprocess
 import sysconfig
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
-from seq2seq.model.cpu_kernels import CAPPED_TARGETS, COMPILE_FLAGS, SOURCES, SWITCH, _built, cpu_kernels
+import seq2seq.model.cpu_kernels as kernels_module
+from seq2seq.model.cpu_kernels import CAPPED_TARGETS, COMPILE_FLAGS, SOURCES, SWITCH, _built, _load, cpu_kernels
 
 
 def test_the_switch_turns_them_off(monkeypatch):
@@ -30,6 +32,47 @@ def test_a_build_that_fails_is_one_warning_and_leaves_nothing_behind(tmp_path, m
         assert _built.__wrapped__() is None
     assert "fused CPU kernels unavailable" in caplog.text
     assert list((tmp_path / "seq2seq" / "cpu_kernels").iterdir()) == []
+
+
+def test_processes_that_want_them_at_once_build_them_once(tmp_path, monkeypatch):
+    """pytest's workers and DDP's ranks start together with an empty cache: the first builds, the other
+    waits for its build and loads it, where each built a copy of its own on the same cores. The build
+    is a stand-in held until the second is at the lock."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    building, release, second_at_lock = threading.Event(), threading.Event(), threading.Event()
+    builds, loads = [], []
+
+    def build(name, sources, *, build_directory, **options):
+        builds.append(name)
+        building.set()
+        assert release.wait(timeout=60)
+        (Path(build_directory) / f"{name}.so").write_bytes(b"built")
+
+    flock = kernels_module.fcntl.flock
+
+    def flock_noting_the_second(folder, operation):
+        if threading.current_thread().name == "second":
+            second_at_lock.set()
+        return flock(folder, operation)
+
+    monkeypatch.setattr(cpp_extension, "load", build)
+    monkeypatch.setattr(torch.ops, "load_library", loads.append)
+    monkeypatch.setattr(kernels_module.fcntl, "flock", flock_noting_the_second)
+    first = threading.Thread(target=_load, name="first")
+    first.start()
+    assert building.wait(timeout=60)
+    second = threading.Thread(target=_load, name="second")
+    second.start()
+    assert second_at_lock.wait(timeout=60)  # it found no build and asks for the lock the first holds
+    release.set()
+    first.join(timeout=60)
+    second.join(timeout=60)
+    assert len(builds) == 1
+    built = tmp_path / "seq2seq" / "cpu_kernels" / f"{builds[0]}.so"
+    assert loads == [str(built)] and built.read_bytes() == b"built"  # the second loaded the first's build
+    assert [path.name for path in built.parent.iterdir()] == [built.name]  # no lock file, no build folder
 
 
 def _compiler_reports_for(source: Path) -> str:
