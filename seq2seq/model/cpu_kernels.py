@@ -21,6 +21,7 @@ path, which computes the same (tests hold the two paths to each other).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import functools
 import hashlib
@@ -140,18 +141,39 @@ def _target() -> list[str]:
 
 
 def _openmp_runtime() -> str | None:
-    """The OpenMP library this process's PyTorch runs on, which the kernels must link to as well:
-    linking the compiler's own could load a second OpenMP runtime beside PyTorch's, two pools of
-    threads contending for the cores. None where PyTorch runs without one (the kernels then run on one
-    thread)."""
-    maps = Path("/proc/self/maps")
-    if not maps.exists() or torch.__config__.parallel_info().find("OpenMP") < 0:
+    """The OpenMP library this process's PyTorch runs on, which the kernels link to as well: their
+    parallel loops (at::parallel_for) run on PyTorch's threads, as many as torch.set_num_threads says.
+    Other packages bring copies of their own (sentencepiece's and CTranslate2's wheels each bundle a
+    libgomp), mapped into the process once imported, so it is not whichever comes first in the process's
+    mappings: that one depended on what the process had imported, and each kind of process (pytest's
+    workers, the CLI, a script that imported CTranslate2) built the kernels again for its own. It is the
+    library in which libtorch_cpu finds `omp_get_max_threads`. None where PyTorch runs without OpenMP
+    (the kernels then run on one thread)."""
+    if torch.__config__.parallel_info().find("OpenMP") < 0:
         return None
+    mapped = _mapped_libraries()
+    torch_cpu = next((path for path in mapped.values() if Path(path).name.startswith("libtorch_cpu")), None)
+    if torch_cpu is None:
+        return None
+    try:  # looked up from libtorch_cpu's handle: found in the libraries it was linked to, as it uses it
+        address = ctypes.cast(ctypes.CDLL(torch_cpu).omp_get_max_threads, ctypes.c_void_p).value
+    except AttributeError:
+        return None
+    return next((path for (start, end), path in mapped.items() if start <= address < end), None)
+
+
+def _mapped_libraries() -> dict[tuple[int, int], str]:
+    """This process's file mappings: their address ranges and the files they map (/proc/self/maps)."""
+    maps = Path("/proc/self/maps")
+    if not maps.exists():
+        return {}
+    mapped = {}
     for line in maps.read_text().splitlines():
-        path = line.split()[-1]
-        if Path(path).name.startswith(("libgomp", "libiomp")) and ".so" in path:
-            return path
-    return None
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].startswith("/"):
+            start, end = fields[0].split("-")
+            mapped[int(start, 16), int(end, 16)] = fields[5]
+    return mapped
 
 
 def _cpu_flags() -> str:

@@ -3,11 +3,13 @@ the loops written for vector registers are built into them."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import platform
 import shutil
 import subprocess
+import sys
 import sysconfig
 import threading
 from pathlib import Path
@@ -73,6 +75,40 @@ def test_processes_that_want_them_at_once_build_them_once(tmp_path, monkeypatch)
     built = tmp_path / "seq2seq" / "cpu_kernels" / f"{builds[0]}.so"
     assert loads == [str(built)] and built.read_bytes() == b"built"  # the second loaded the first's build
     assert [path.name for path in built.parent.iterdir()] == [built.name]  # no lock file, no build folder
+
+
+# A process that imports `first`, then loads the kernels: the path of the build it loaded.
+BUILD_LOADED_AFTER = """
+import importlib, sys
+for name in sys.argv[1:]:
+    importlib.import_module(name)
+from seq2seq.model.cpu_kernels import cpu_kernels
+if cpu_kernels() is None:
+    sys.exit(3)
+print(next(line.split()[-1] for line in open("/proc/self/maps") if "seq2seq_cpu_" in line))
+"""
+
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="reads a process's mappings in /proc")
+def test_a_process_loads_the_same_build_whatever_it_imported_first(fused_kernels):
+    """sentencepiece's and CTranslate2's wheels each bundle a libgomp of their own, mapped beside
+    PyTorch's once imported. The kernels link to PyTorch's, in every process: where a process linked
+    to the copy it had mapped first, a training process and a command that imported CTranslate2
+    built them again, each for its own copy."""
+    imports = [["torch"], ["torch", "sentencepiece", *(["ctranslate2"] if _installed("ctranslate2") else [])]]
+    loaded = []
+    for modules in imports:
+        run = subprocess.run([sys.executable, "-c", BUILD_LOADED_AFTER, *modules], capture_output=True, text=True,
+                             timeout=300)  # fmt: skip
+        if run.returncode == 3:
+            pytest.skip("the fused CPU kernels are not built in a fresh process")
+        assert run.returncode == 0, run.stderr
+        loaded.append(run.stdout.strip())
+    assert loaded[0] == loaded[1]
+
+
+def _installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
 
 
 def _compiler_reports_for(source: Path) -> str:
