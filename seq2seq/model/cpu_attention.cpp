@@ -34,7 +34,9 @@
 #endif
 
 // Its loops run over a head's columns or a sentence's keys, a few vectors each: on AVX-512 they keep
-// 256-bit vectors, which measured faster here than the 512 the other kernels ask for (cpu_kernels.py).
+// 256-bit vectors, which measured faster here than the 512 the other kernels ask for (cpu_kernels.py);
+// the setting ends with this file, which is compiled with the others in one unit.
+#pragma GCC push_options
 #if defined(__AVX512F__)
 #pragma GCC target("prefer-vector-width=256")
 #endif
@@ -731,6 +733,8 @@ void attention_backward(const at::Tensor& grad_out, const at::Tensor& q, const a
 }
 
 }  // namespace
+
+#pragma GCC pop_options
 
 TORCH_LIBRARY_FRAGMENT(seq2seq_cpu, m) {
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor query_spans, Tensor key_spans, int heads, bool causal,"

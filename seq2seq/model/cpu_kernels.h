@@ -1,6 +1,7 @@
 // What the fused CPU kernels share (cpu_kernels.cpp, cpu_attention.cpp, cpu_residual_norm.cpp,
-// cpu_embedding.cpp, cpu_optimizer.cpp): bf16 loads and stores that round as PyTorch's casts do, an
-// exp that the compiler vectorises, and dropout's random bits.
+// cpu_linear.cpp, cpu_embedding.cpp, cpu_optimizer.cpp): bf16 loads and stores that round as PyTorch's
+// casts do, an exp that the compiler vectorises, dropout's random bits, and the rows of a task in a sum
+// over rows.
 
 #pragma once
 
@@ -12,6 +13,10 @@
 #include <vector>
 
 namespace seq2seq_cpu {
+
+// Rows per task of a sum over rows (a bias's or a LayerNorm weight's gradient): each task sums its rows
+// per column and the tasks' sums add up in task order, so that any thread count gives the same bits.
+constexpr int64_t kRowsPerTask = 32;
 
 inline float from_bits(uint32_t bits) {
   float value;

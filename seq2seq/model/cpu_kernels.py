@@ -8,7 +8,8 @@ A fused kernel reads a row once and keeps it in the core's cache for every step 
 torch.compile's CPU code for the same work was slower than eager PyTorch (docs/performance.md, tried
 and not taken) and the library that shipped such kernels, intel-extension-for-pytorch, stops at
 PyTorch 2.8, so they are written here and compiled with PyTorch's extension builder (a C++
-compiler and ninja): a few seconds, once, then cached by source, PyTorch version and CPU. They are
+compiler and ninja): once, then cached by source, PyTorch version and CPU. The sources
+are compiled as one unit: each spent nearly all of its compile reading PyTorch's headers. They are
 built with `-march=native` (fewer instructions where ATEN_CPU_CAPABILITY caps PyTorch's), so the
 cache key holds the flags and the CPU's: a cache shared by machines of several kinds keeps one build
 per kind.
@@ -100,19 +101,26 @@ def _load() -> None:
 
 def _build(built: Path, flags: list[str], openmp: str | None) -> None:
     """Build the kernels into `built` and load them."""
-    log.info("building the fused CPU kernels for this machine (once, a few seconds)")
+    log.info("building the fused CPU kernels for this machine (once, well under a minute)")
     cache = built.parent
     work = Path(tempfile.mkdtemp(dir=cache, prefix="build-"))
     try:
         from torch.utils import cpp_extension
 
+        unit = work / "seq2seq_cpu.cpp"
+        unit.write_text(one_unit())
         with _ninja_on_path():
-            cpp_extension.load(built.stem, [str(path) for path in SOURCES], extra_cflags=flags,
+            cpp_extension.load(built.stem, [str(unit)], extra_cflags=flags,
                                is_python_module=False, extra_ldflags=[openmp] if openmp else [],
                                build_directory=str(work))  # fmt: skip
         os.replace(work / built.name, built)  # loaded above; later processes load the cached file
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def one_unit() -> str:
+    """The sources as one C++ unit, so that PyTorch's headers are compiled once, not once per source."""
+    return "".join(f'#include "{path}"\n' for path in SOURCES)
 
 
 @contextlib.contextmanager

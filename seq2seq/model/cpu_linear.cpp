@@ -19,10 +19,6 @@ namespace {
 
 using namespace seq2seq_cpu;
 
-// Rows per task: each task sums its rows' gradients per column, and the tasks' sums add up in order,
-// so that any thread count gives the same bits.
-constexpr int64_t kRowsPerTask = 32;
-
 template <typename T>
 void sum_rows(const T* grad, float* sums, int64_t begin, int64_t end, int64_t width) {
   for (int64_t r = begin; r < end; ++r) {

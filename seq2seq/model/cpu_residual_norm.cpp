@@ -29,10 +29,6 @@ namespace {
 
 using namespace seq2seq_cpu;
 
-// Rows per task of the backward pass: the weight's gradient sums a partial sum per task in task order,
-// so the result is the same for any thread count.
-constexpr int64_t kRowsPerTask = 32;
-
 template <typename T>
 void forward_rows(const T* x, const T* y, const T* weight, const T* bias, T* sum, T* out, float* stats,
                   int64_t begin, int64_t end, int64_t width, uint64_t seed, uint32_t dropped_below, float scale,

@@ -3,6 +3,7 @@ the loops written for vector registers are built into them."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import os
@@ -18,7 +19,16 @@ import pytest
 import torch
 
 import seq2seq.model.cpu_kernels as kernels_module
-from seq2seq.model.cpu_kernels import CAPPED_TARGETS, COMPILE_FLAGS, SOURCES, SWITCH, _built, _load, cpu_kernels
+from seq2seq.model.cpu_kernels import (
+    CAPPED_TARGETS,
+    COMPILE_FLAGS,
+    SOURCES,
+    SWITCH,
+    _built,
+    _load,
+    cpu_kernels,
+    one_unit,
+)
 
 
 def test_the_switch_turns_them_off(monkeypatch):
@@ -111,14 +121,15 @@ def _installed(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def _compiler_reports_for(source: Path) -> str:
-    """GCC's vectoriser report for one kernel source, built as the kernels are for an AVX2-only CPU."""
+@functools.cache
+def _compiler_reports() -> str:
+    """GCC's vectoriser report for the kernels, built as they are (one unit) for an AVX2-only CPU."""
     from torch.utils import cpp_extension
 
     flags = [*COMPILE_FLAGS, CAPPED_TARGETS["avx2"], "-fopenmp", "-std=c++17", "-fopt-info-vec-missed"]
     includes = [f"-I{path}" for path in (*cpp_extension.include_paths(), sysconfig.get_paths()["include"])]
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}"
-    built = subprocess.run(["g++", *flags, *includes, abi, "-c", str(source), "-o", os.devnull],
+    built = subprocess.run(["g++", *flags, *includes, abi, "-x", "c++", "-c", "-", "-o", os.devnull], input=one_unit(),
                            capture_output=True, text=True, check=True)  # fmt: skip
     return built.stderr
 
@@ -131,7 +142,7 @@ def test_every_loop_marked_simd_is_vectorised_on_avx2(source):
     times slower, silently: on AVX2, which lacks AVX-512's masks, it happened to every loop that chose
     between two values (until -fno-trapping-math) or read memory under a condition."""
     lines = source.read_text().splitlines()
-    reports = [report.partition(": missed: ") for report in _compiler_reports_for(source).splitlines()]
+    reports = [report.partition(": missed: ") for report in _compiler_reports().splitlines()]
     scalar = set()
     # A loop left scalar: "couldn't vectorize loop", then "not vectorized: <why>" at the same place (a
     # bare first line is also printed for the scalar twin GCC keeps beside a vectorised simd loop).
