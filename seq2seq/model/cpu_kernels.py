@@ -83,8 +83,7 @@ def _load() -> None:
     cache), one process at a time: processes that want the kernels at once (pytest's workers, DDP's
     ranks on one machine) wait for the first one's build and load it, where each built its own copy,
     side by side on the same cores."""
-    openmp = _openmp_runtime()
-    flags = [*COMPILE_FLAGS, *_target(), "-fopenmp" if openmp else "-fopenmp-simd"]
+    flags, openmp = build_flags()
     texts = [path.read_text() for path in (*SOURCES, HEADER)]
     key = hashlib.sha256("\n".join([*texts, torch.__version__, *flags, str(openmp), _cpu_flags()])
                          .encode()).hexdigest()[:16]  # fmt: skip
@@ -97,6 +96,12 @@ def _load() -> None:
                 _build(built, flags, openmp)
                 return  # the builder loaded it
     torch.ops.load_library(str(built))
+
+
+def build_flags() -> tuple[list[str], str | None]:
+    """The compiler's flags for this machine, and the OpenMP library to link (None: none)."""
+    openmp = _openmp_runtime()
+    return [*COMPILE_FLAGS, *_target(), "-fopenmp" if openmp else "-fopenmp-simd"], openmp
 
 
 def _build(built: Path, flags: list[str], openmp: str | None) -> None:
