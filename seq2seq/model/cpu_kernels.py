@@ -12,7 +12,7 @@ compiler and ninja): once, then cached by source, PyTorch version and CPU. The s
 are compiled as one unit: each spent nearly all of its compile reading PyTorch's headers. They are
 built with `-march=native` (fewer instructions where ATEN_CPU_CAPABILITY caps PyTorch's), so the
 cache key holds the flags and the CPU's: a cache shared by machines of several kinds keeps one build
-per kind.
+per kind. A build removes those no process has loaded for a month.
 
 `cpu_kernels()` is None where they cannot be built (no compiler: one warning says so), where
 SEQ2SEQ_CPU_KERNELS=0 is set, or on a machine that is not Linux; callers then take their PyTorch
@@ -31,6 +31,7 @@ import os
 import platform
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -54,6 +55,11 @@ COMPILE_FLAGS = ("-O3", "-ffp-contract=off", "-fno-trapping-math", "-fno-math-er
 # machine run with ATEN_CPU_CAPABILITY=avx2 stands in for an AVX2-only one (benchmarks/ledger.py).
 CAPPED_TARGETS = {"default": "-march=x86-64", "avx2": "-march=haswell"}
 REASON_CHARS = 200  # of a build error's line in the warning
+BUILD_NAME = "seq2seq_cpu_{key}.so"  # the cache's builds, one per key
+BUILD_FOLDER = "build-"  # the prefix of a build's work folder in the cache, removed when it ends
+# A build no process has loaded for this long is removed when another is built: each new version of
+# the sources, of PyTorch or of a virtual environment's path builds anew, and the cache kept them all.
+STALE_AFTER_S = 30 * 24 * 3600
 
 
 def cpu_kernels():
@@ -88,14 +94,30 @@ def _load() -> None:
     key = hashlib.sha256("\n".join([*texts, torch.__version__, *flags, str(openmp), _cpu_flags()])
                          .encode()).hexdigest()[:16]  # fmt: skip
     cache = _cache_dir()
-    built = cache / f"seq2seq_cpu_{key}.so"
+    built = cache / BUILD_NAME.format(key=key)
     if not built.exists():
         cache.mkdir(parents=True, exist_ok=True)
         with _one_build_at_a_time(cache):
             if not built.exists():  # else another process built it while this one waited
                 _build(built, flags, openmp)
+                _remove_stale_builds(cache)
                 return  # the builder loaded it
+    with contextlib.suppress(OSError):  # a cache this user cannot write: nothing is ever removed from it
+        os.utime(built)  # its last use (_remove_stale_builds)
     torch.ops.load_library(str(built))
+
+
+def _remove_stale_builds(cache: Path) -> None:
+    """Remove the cache's builds that no process has loaded for STALE_AFTER_S (a load sets a build's
+    modification time; a process that still runs one keeps its mapping), and the build folders of
+    processes that died building: builds run one at a time, under the lock this one holds."""
+    for folder in cache.glob(f"{BUILD_FOLDER}*"):
+        shutil.rmtree(folder, ignore_errors=True)
+    now = time.time()
+    for build in cache.glob(BUILD_NAME.format(key="*")):
+        with contextlib.suppress(OSError):  # removed meanwhile by another process
+            if now - build.stat().st_mtime > STALE_AFTER_S:
+                build.unlink()
 
 
 def build_flags() -> tuple[list[str], str | None]:
@@ -108,7 +130,7 @@ def _build(built: Path, flags: list[str], openmp: str | None) -> None:
     """Build the kernels into `built` and load them."""
     log.info("building the fused CPU kernels for this machine (once, well under a minute)")
     cache = built.parent
-    work = Path(tempfile.mkdtemp(dir=cache, prefix="build-"))
+    work = Path(tempfile.mkdtemp(dir=cache, prefix=BUILD_FOLDER))
     try:
         from torch.utils import cpp_extension
 

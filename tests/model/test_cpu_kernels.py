@@ -13,6 +13,7 @@ import subprocess
 import sys
 import sysconfig
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,7 @@ from seq2seq.model.cpu_kernels import (
     SWITCH,
     _built,
     _load,
+    _remove_stale_builds,
     cpu_kernels,
     one_unit,
 )
@@ -85,6 +87,55 @@ def test_processes_that_want_them_at_once_build_them_once(tmp_path, monkeypatch)
     built = tmp_path / "seq2seq" / "cpu_kernels" / f"{builds[0]}.so"
     assert loads == [str(built)] and built.read_bytes() == b"built"  # the second loaded the first's build
     assert [path.name for path in built.parent.iterdir()] == [built.name]  # no lock file, no build folder
+
+
+def _stand_in_builds(monkeypatch, tmp_path) -> tuple[Path, list, list]:
+    """An empty cache in tmp_path whose builds are stand-ins: (the cache, the builds made, the loads)."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    builds, loads = [], []
+
+    def build(name, sources, *, build_directory, **options):
+        builds.append(name)
+        (Path(build_directory) / f"{name}.so").write_bytes(b"built")
+
+    monkeypatch.setattr(cpp_extension, "load", build)
+    monkeypatch.setattr(torch.ops, "load_library", loads.append)
+    return tmp_path / "seq2seq" / "cpu_kernels", builds, loads
+
+
+def _aged(path: Path, days: float) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists():
+        path.write_bytes(b"old")
+    when = time.time() - days * 24 * 3600
+    os.utime(path, (when, when))
+    return path
+
+
+def test_a_build_removes_the_builds_no_process_loaded_for_a_month_and_those_a_dead_build_left(tmp_path, monkeypatch):
+    cache, builds, _ = _stand_in_builds(monkeypatch, tmp_path)
+    stale = _aged(cache / "seq2seq_cpu_0123456789abcdef.so", days=40)
+    recent = _aged(cache / "seq2seq_cpu_fedcba9876543210.so", days=20)
+    users = _aged(cache / "notes.txt", days=400)
+    died_building = cache / "build-k2x9" / "seq2seq_cpu.o"  # a build killed before it could clean up
+    died_building.parent.mkdir()
+    died_building.write_bytes(b"half")
+    _load()
+    assert len(builds) == 1 and (cache / f"{builds[0]}.so").read_bytes() == b"built"
+    assert not stale.exists() and recent.exists() and users.exists()
+    assert sorted(path.name for path in cache.iterdir()) == sorted([f"{builds[0]}.so", recent.name, users.name])
+
+
+def test_loading_a_build_keeps_it_from_being_removed(tmp_path, monkeypatch):
+    cache, builds, loads = _stand_in_builds(monkeypatch, tmp_path)
+    _load()
+    built = _aged(cache / f"{builds[0]}.so", days=40)
+    _load()  # from the cache: its last use is now
+    assert loads[-1] == str(built) and len(builds) == 1
+    _remove_stale_builds(cache)  # as the next build, of other sources, does
+    assert built.exists()
 
 
 # A process that imports `first`, then loads the kernels: the path of the build it loaded.
