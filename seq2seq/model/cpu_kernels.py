@@ -178,12 +178,11 @@ def _target() -> list[str]:
 def _openmp_runtime() -> str | None:
     """The OpenMP library this process's PyTorch runs on, which the kernels link to as well: their
     parallel loops (at::parallel_for) run on PyTorch's threads, as many as torch.set_num_threads says.
-    Other packages bring copies of their own (sentencepiece's and CTranslate2's wheels each bundle a
-    libgomp), mapped into the process once imported, so it is not whichever comes first in the process's
-    mappings: that one depended on what the process had imported, and each kind of process (pytest's
-    workers, the CLI, a script that imported CTranslate2) built the kernels again for its own. It is the
-    library in which libtorch_cpu finds `omp_get_max_threads`. None where PyTorch runs without OpenMP
-    (the kernels then run on one thread)."""
+    It is the library in which libtorch_cpu finds `omp_get_max_threads`, not the first OpenMP library
+    the process maps: sentencepiece's and CTranslate2's wheels each bundle a libgomp of their own, so
+    that one depended on what the process had imported, and each kind of process (pytest's workers, the
+    CLI, a script that imported CTranslate2) built the kernels again for its own. None where PyTorch runs
+    without OpenMP (the kernels then run on one thread)."""
     if torch.__config__.parallel_info().find("OpenMP") < 0:
         return None
     mapped = _mapped_libraries()
