@@ -80,8 +80,14 @@ def _sides(x: torch.Tensor, grad: torch.Tensor, weight: torch.Tensor, bias: torc
         def forward():
             return torch.nn.functional.linear(x, weight, bias)
 
+    # the primitive takes the weight only for its shape and wants it dense fp32 whatever the inputs' dtype
+    # ("weight needs to be a dense tensor" otherwise); it returns the gradient in fp32
+    dense_weight = weight.float()
+
     def primitive():
-        weight_grad, _ = torch.ops.aten.mkldnn_linear_backward_weights(grad.to_mkldnn(), x.to_mkldnn(), weight, False)
+        weight_grad, _ = torch.ops.aten.mkldnn_linear_backward_weights(
+            grad.to_mkldnn(), x.to_mkldnn(), dense_weight, False
+        )
         return weight_grad
 
     return {
