@@ -225,9 +225,12 @@ def piped(path: Path, text: str) -> Iterator[Path]:
     try:
         yield path
     finally:
-        if writer.is_alive():  # the command never opened it: a reader here lets the writer finish
-            with open(path, encoding="utf-8") as reader:
-                reader.read()
+        if writer.is_alive():  # the command never opened it, or the writer is finishing
+            # a reader that never blocks: a blocking open waited forever for a writer that had already
+            # written and let go of the pipe; the texts here fit in the pipe's buffer
+            reader = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+            writer.join()
+            os.close(reader)
         writer.join()
 
 
