@@ -11,7 +11,9 @@ self-attention and for the padding-masked encoder/cross attention.
 
 Without a GPU it answers the CPU's question instead: bf16 q, k, v through PyTorch's fused kernel in
 bf16, against our path (`seq2seq.model.execution.attention`: the same kernel in fp32, q, k, v cast in
-and the output cast back), which costs training its attention casts.
+and the output cast back), which costs training its attention casts, and against the kernel a CPU
+training step takes where the fused kernels are built (`seq2seq.model.cpu_attention.flat_attention`:
+the same sentences as a stack's flat rows, q | k | v side by side, without the padding positions).
 
     python benchmarks/benchmark_attention.py --tokens 4000 --heads 4   # on a CPU, the small model's batch
 """
@@ -26,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from seq2seq.model.cpu_attention import flat_attention
+from seq2seq.model.cpu_kernels import cpu_kernels
 from seq2seq.model.execution import attention
 
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
@@ -89,12 +93,17 @@ def main() -> int:
 
 
 def cpu_bf16(args) -> int:
-    """bf16 attention on a CPU: the fused kernel in bf16 against ours (fp32 inside), forward + backward."""
+    """bf16 attention on a CPU: the fused kernel in bf16 against ours (fp32 inside) and against the
+    kernel from the flat rows, forward + backward."""
     threads = torch.get_num_threads()
+    flat = cpu_kernels() is not None
     print(f"CPU, {threads} threads; {args.tokens} tokens, {args.heads} heads x {args.head_dim}, bf16 q, k, v; "
           "forward + backward, median ms")  # fmt: skip
-    print("| length | attention | fused kernel in bf16 | ours (fp32 inside, cast in and out) | bf16 / ours |")
-    print("|---|---|---|---|---|")
+    if not flat:
+        print("(the fused CPU kernels are not built here: no column for the kernel from the flat rows)")
+    print("| length | attention | fused kernel in bf16 | ours (fp32 inside, cast in and out) | bf16 / ours "
+          "| from the flat rows | bf16 / flat rows |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
     for length in args.lengths:
         batch = args.tokens // length
         shape = (batch, args.heads, length, args.head_dim)
@@ -112,8 +121,26 @@ def cpu_bf16(args) -> int:
                 attention(*inputs, mask=mask, is_causal=causal, dropout_p=0.0).backward(grad)
 
             bf16, fp32_inside = cpu_time_ms(fused_bf16), cpu_time_ms(ours)
-            print(f"| {length} | {kind} | {bf16:.2f} | {fp32_inside:.2f} | {bf16 / fp32_inside:.2f}x |")
+            flat_ms = cpu_time_ms(flat_rows_attention(lengths if mask is not None else None, batch, length, args,
+                                                      causal=causal)) if flat else None  # fmt: skip
+            flat_cells = f"{flat_ms:.2f} | {bf16 / flat_ms:.2f}x" if flat else "- | -"
+            print(f"| {length} | {kind} | {bf16:.2f} | {fp32_inside:.2f} | {bf16 / fp32_inside:.2f}x | {flat_cells} |")
     return 0
+
+
+def flat_rows_attention(lengths: torch.Tensor | None, batch: int, length: int, args, *, causal: bool):
+    """forward + backward of flat_attention on the batch's sentences as a stack's flat rows: each of
+    `lengths` tokens (None: all `length`), q | k | v side by side as the stacked projection writes them."""
+    counts = torch.full((batch,), length) if lengths is None else lengths
+    spans = torch.stack([counts.cumsum(0) - counts, counts], 1)
+    width = args.heads * args.head_dim
+    rows = torch.randn(int(counts.sum()), 3 * width, dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(rows.size(0), width, dtype=torch.bfloat16)
+
+    def run() -> None:
+        flat_attention(rows, None, spans, spans, args.heads, causal=causal).backward(grad)
+
+    return run
 
 
 def cpu_time_ms(function, repeats: int = 20) -> float:
