@@ -149,19 +149,40 @@ void product(int64_t rows, int64_t cols, int64_t depth, Strided a, const float* 
 // A row-major matrix with row stride `stride`.
 Strided rows_of(const float* data, int64_t stride) { return {data, stride, 1}; }
 
+// A task reads a head's columns of each of its rows, a cache line or two a row, each a row's stride
+// from the last: no pattern the hardware's prefetchers foresee, and each read waited for its lines.
+// The reads ask for the lines kRowsAhead rows ahead of the one they read.
+constexpr int64_t kRowsAhead = 8;
+
+template <typename T>
+inline void prefetch_row(const T* row, int64_t width) {
+  const char* first = reinterpret_cast<const char*>(row);
+  const char* last = reinterpret_cast<const char*>(row + width) - 1;
+  for (const char* line = first; line < last; line += 64) __builtin_prefetch(line);
+  __builtin_prefetch(last);
+}
+
 // rows x width of `source` (row stride `stride`) into `out` (row stride out_stride) as floats; out's
 // padding columns are left as they were.
 template <typename T>
 void read_rows(const T* source, int64_t stride, int64_t rows, int64_t width, float* out, int64_t out_stride) {
-  for (int64_t r = 0; r < rows; ++r)
+  for (int64_t r = 0; r < std::min(rows, kRowsAhead); ++r) prefetch_row(source + r * stride, width);
+  for (int64_t r = 0; r < rows; ++r) {
+    if (r + kRowsAhead < rows) prefetch_row(source + (r + kRowsAhead) * stride, width);
 #pragma omp simd
     for (int64_t d = 0; d < width; ++d) out[r * out_stride + d] = load(source[r * stride + d]);
+  }
 }
 
-// out[d][r] = rows[r][d] for the rows x width floats of `rows` (row stride rows_stride), in cache.
-void transpose(const float* rows, int64_t rows_stride, int64_t count, int64_t width, float* out, int64_t out_stride) {
-  for (int64_t r = 0; r < count; ++r)
-    for (int64_t d = 0; d < width; ++d) out[d * out_stride + r] = rows[r * rows_stride + d];
+// out[d][r] = source[r][d] as floats, for the rows x width of `source` (row stride `stride`): the keys'
+// or values' transpose read straight from their rows; out's padding columns are left as they were.
+template <typename T>
+void read_transposed(const T* source, int64_t stride, int64_t rows, int64_t width, float* out, int64_t out_stride) {
+  for (int64_t r = 0; r < std::min(rows, kRowsAhead); ++r) prefetch_row(source + r * stride, width);
+  for (int64_t r = 0; r < rows; ++r) {
+    if (r + kRowsAhead < rows) prefetch_row(source + (r + kRowsAhead) * stride, width);
+    for (int64_t d = 0; d < width; ++d) out[d * out_stride + r] = load(source[r * stride + d]);
+  }
 }
 
 template <typename T>
@@ -520,16 +541,14 @@ void forward_task(const Task& t, const T* q, int64_t q_stride, const T* k, int64
   }
 #endif
   const int64_t dim = t.padded_dim, keys = t.padded_keys, queries = t.queries;
-  scratch.start(2 * queries * dim + 3 * dim * keys + (kept ? 0 : queries * keys));
+  scratch.start(2 * queries * dim + 2 * dim * keys + (kept ? 0 : queries * keys));
   float* query = scratch.take(queries * dim);
-  float* key = scratch.take(keys * dim);
   float* keys_t = scratch.take(dim * keys);  // (head_dim, keys): scores = query keys_t
   float* value = scratch.take(keys * dim);
   float* scores = kept ? kept : scratch.take(queries * keys);
   float* output = scratch.take(queries * dim);
   read_rows(q + t.query_row * q_stride + t.column, q_stride, queries, t.head_dim, query, dim);
-  read_rows(k + t.key_row * k_stride + t.column, k_stride, t.keys, t.head_dim, key, dim);
-  transpose(key, dim, t.keys, t.head_dim, keys_t, keys);
+  read_transposed(k + t.key_row * k_stride + t.column, k_stride, t.keys, t.head_dim, keys_t, keys);
   read_rows(v + t.key_row * v_stride + t.column, v_stride, t.keys, t.head_dim, value, dim);
   const Causal columns = t.causal ? Causal::kColumnsToRow : Causal::kAll;
   product(queries, keys, t.head_dim, rows_of(query, dim), keys_t, keys, scores, keys, columns);
@@ -554,10 +573,9 @@ void backward_task(const Task& t, const T* grad_out, int64_t g_stride, const T* 
   }
 #endif
   const int64_t dim = t.padded_dim, keys = t.padded_keys, queries = t.queries;
-  scratch.start(3 * queries * dim + 4 * dim * keys + (kept ? 1 : 2) * queries * keys);
+  scratch.start(3 * queries * dim + (kept ? 3 : 4) * dim * keys + (kept ? 1 : 2) * queries * keys);
   float* query = scratch.take(queries * dim);
   float* grad_output = scratch.take(queries * dim);
-  float* keys_t = scratch.take(dim * keys);
   float* values_t = scratch.take(dim * keys);
   float* key = scratch.take(keys * dim);
   float* recomputed = kept ? nullptr : scratch.take(queries * keys);
@@ -565,15 +583,16 @@ void backward_task(const Task& t, const T* grad_out, int64_t g_stride, const T* 
   float* grad_scores = scratch.take(queries * keys);
   float* result = scratch.take(keys * dim);           // dv, then dk
   float* result_q = scratch.take(queries * dim);
+  const T* k_rows = k + t.key_row * k_stride + t.column;
   read_rows(q + t.query_row * q_stride + t.column, q_stride, queries, t.head_dim, query, dim);
   read_rows(grad_out + t.query_row * g_stride + t.column, g_stride, queries, t.head_dim, grad_output, dim);
-  read_rows(k + t.key_row * k_stride + t.column, k_stride, t.keys, t.head_dim, key, dim);
-  transpose(key, dim, t.keys, t.head_dim, keys_t, keys);
-  read_rows(v + t.key_row * v_stride + t.column, v_stride, t.keys, t.head_dim, result, dim);  // result: V here
-  transpose(result, dim, t.keys, t.head_dim, values_t, keys);
+  read_rows(k_rows, k_stride, t.keys, t.head_dim, key, dim);
+  read_transposed(v + t.key_row * v_stride + t.column, v_stride, t.keys, t.head_dim, values_t, keys);
 
   const Causal columns = t.causal ? Causal::kColumnsToRow : Causal::kAll;
-  if (!kept) {
+  if (!kept) {  // the keys' transpose is wanted only to compute the scores again
+    float* keys_t = scratch.take(dim * keys);
+    read_transposed(k_rows, k_stride, t.keys, t.head_dim, keys_t, keys);
     product(queries, keys, t.head_dim, rows_of(query, dim), keys_t, keys, recomputed, keys, columns);
     probabilities_from_lse(t, recomputed, lse);
   }
