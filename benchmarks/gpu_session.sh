@@ -21,7 +21,7 @@ START=$SECONDS
 # The image has torch, numpy, sentencepiece, sacrebleu, typer, tqdm, pyyaml, matplotlib, pytest,
 # pytest-xdist, hypothesis and httpx; not these (fastapi needs opentelemetry-api).
 MISSING="ctranslate2 datasets dill multiprocess fastapi starlette pydantic pydantic_core annotated-types
-typing-inspection annotated-doc uvicorn opentelemetry-api typing_extensions"
+typing-inspection annotated-doc uvicorn opentelemetry-api typing_extensions pytest-timeout"
 
 elapsed() { echo "[$((SECONDS - START)) s] $*"; }
 
