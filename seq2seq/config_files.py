@@ -67,7 +67,7 @@ def _data_path_problem(path: Path, *, folder_allowed: bool) -> str:
 
 def config_from_dict(raw: dict[str, Any], origin: str) -> Config:
     """Validate an already-parsed config (e.g. from a checkpoint); files are not checked."""
-    return _build_checked(raw, origin=origin, overridden={})
+    return _build_checked(raw, origin=origin, overridden=Overridden())
 
 
 class FlagOverride(str):
@@ -82,25 +82,37 @@ class FlagOverride(str):
         return override
 
 
-def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, str]:
-    """Apply `section.key=value` strings (values parsed as YAML) in place; return each key set, with
-    the flag that set it as a problem with it should name it (`--set KEY` or a FlagOverride's flag)."""
-    keys = {}
+@dataclasses.dataclass
+class Overridden:
+    """What the overrides wrote, with the flag that wrote it, so that a problem there names that flag
+    (`--set KEY` or a FlagOverride's flag) rather than the file: each key set, and each section an
+    override made because the file lacked it (--set data.test.src=... where the file has no data.test)."""
+
+    keys: dict[str, str] = dataclasses.field(default_factory=dict)
+    sections: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> Overridden:
+    """Apply `section.key=value` strings (values parsed as YAML) in place; return what they wrote."""
+    overridden = Overridden()
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or not key or any(not part for part in key.split(".")):
             raise UserInputError(f"--set {item}: expected KEY=VALUE with a dotted key, e.g. train.lr=0.001")
+        flag = getattr(item, "flag", f"--set {key}")
         node = raw
         *parents, leaf = key.split(".")
-        for part in parents:
+        for depth, part in enumerate(parents, 1):
+            if part not in node and not _INDEXED.match(part):
+                overridden.sections.setdefault(".".join(parents[:depth]), flag)
             node = _section(node, part, item)
         try:
             node[leaf] = yaml.safe_load(text)
         except yaml.YAMLError as error:
             problem = getattr(error, "problem", None) or "not valid YAML"
             raise UserInputError(f"--set {item}: the value is not valid YAML ({problem})") from None
-        keys[key] = getattr(item, "flag", f"--set {key}")
-    return keys
+        overridden.keys[key] = flag
+    return overridden
 
 
 _INDEXED = re.compile(r"^(.+)\[(\d+)\]$")
@@ -156,11 +168,11 @@ def decode_config_from(stored: DecodeConfig, values: dict[str, Any], *, origin: 
         decode = build_dataclass(DecodeConfig, {**dataclasses.asdict(stored), **values}, "decode.", errors)
     if not errors:
         collect_problems(decode, "decode.", errors)
-    _raise_problems(errors, origin=origin, overridden={})
+    _raise_problems(errors, origin=origin, overridden=Overridden())
     return decode
 
 
-def _build_checked(raw: dict[str, Any], *, origin: str, overridden: dict[str, str]) -> Config:
+def _build_checked(raw: dict[str, Any], *, origin: str, overridden: Overridden) -> Config:
     errors: list[tuple[str, str]] = []
     config = build_dataclass(Config, raw, "", errors)
     if not errors:
@@ -169,17 +181,19 @@ def _build_checked(raw: dict[str, Any], *, origin: str, overridden: dict[str, st
     return config
 
 
-def _raise_problems(errors: list[tuple[str, str]], *, origin: str, overridden: dict[str, str]) -> None:
-    """One line per problem, naming the flag that caused it (apply_overrides: the key it set, or a section
-    it set whole, such as --set data.extra_train=[...]) or else the file."""
+def _raise_problems(errors: list[tuple[str, str]], *, origin: str, overridden: Overridden) -> None:
+    """One line per problem, naming the flag that caused it (the key it set, a section it set whole, such
+    as --set data.extra_train=[...], or a section it made) or else the file."""
     if errors:
         raise UserInputError("\n".join(_problem_line(key, msg, origin, overridden) for key, msg in errors))
 
 
-def _problem_line(key: str, message: str, origin: str, overridden: dict[str, str]) -> str:
-    if key in overridden:
-        return f"{overridden[key]}: {message}"
-    setting = [given for given in overridden if key.startswith((given + ".", given + "["))]
-    if setting:
-        return f"{overridden[max(setting, key=len)]}: {key}: {message}"
+def _problem_line(key: str, message: str, origin: str, overridden: Overridden) -> str:
+    if key in overridden.keys:
+        return f"{overridden.keys[key]}: {message}"
+    owners = {given: flag for given, flag in overridden.keys.items() if key.startswith((given + ".", given + "["))}
+    made = overridden.sections.items()
+    owners.update({section: flag for section, flag in made if key == section or key.startswith(section + ".")})
+    if owners:
+        return f"{owners[max(owners, key=len)]}: {key}: {message}"
     return f"{origin}: {key}: {message}"

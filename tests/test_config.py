@@ -273,3 +273,17 @@ def test_a_problem_inside_a_section_set_whole_names_the_set_flag(tmp_path, tiny_
     needs_path = "data.train.path: format 'tsv' needs 'path'"
     assert error_of(path, ["data.train={format: tsv}"]) == f"--set data.train: {needs_path}"
     assert error_of(path, ["data.train.format=tsv"]) == f"{path}: {needs_path}"
+
+
+def test_a_problem_with_a_section_a_set_made_names_the_set_flag(tmp_path, tiny_data):
+    """A --set into a section the file lacks makes that section: an unknown one, or a key it then lacks,
+    is the flag's problem (the file never had it), named with the key."""
+    raw = tiny_config_dict(tiny_data)
+    del raw["data"]["test"]
+    path = write(tmp_path, raw)
+    assert error_of(path, ["nokey.x=1"]) == (
+        "--set nokey.x: nokey: unknown key; valid keys: data, tokenizer, model, train, decode, distill"
+    )
+    assert error_of(path, ["data.test.format=tsv"]) == (
+        "--set data.test.format: data.test.path: format 'tsv' needs 'path'"
+    )
