@@ -27,6 +27,15 @@ SetOption = Annotated[
     Optional[list[str]],  # noqa: UP045 - typer needs Optional here
     typer.Option("--set", help="Override one config key, e.g. --set train.lr=0.001 (repeatable).", show_default=False),
 ]
+# A trained model's config is fixed but for its decoding defaults (config_files.decode_config_with).
+DecodeSetOption = Annotated[
+    Optional[list[str]],  # noqa: UP045
+    typer.Option(
+        "--set",
+        help="Override one of the model's decode settings, e.g. --set decode.length_penalty=1.0 (repeatable).",
+        show_default=False,
+    ),
+]
 RunDirOption = Annotated[
     Optional[Path],  # noqa: UP045
     typer.Option("--run-dir", help="Run directory [default: runs/<config name>].", show_default=False),

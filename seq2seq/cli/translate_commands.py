@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from seq2seq.cli.app import DeviceOption, SetOption, ShortlistOption, app
+from seq2seq.cli.app import DecodeSetOption, DeviceOption, ShortlistOption, app
 from seq2seq.cli.boundary import user_errors
 
 MODEL_HELP = "A checkpoint (.pt), a run directory (its best.pt), or a directory from `seq2seq export`"
@@ -43,7 +43,7 @@ def translate(
     nbest: Annotated[
         Optional[int], typer.Option("--nbest", min=1, help="Print the N best per line: idx ||| text ||| score.")  # noqa: UP045
     ] = None,
-    overrides: SetOption = None,
+    overrides: DecodeSetOption = None,
     stream: Annotated[bool, typer.Option("--stream", help="Translate each stdin line as it arrives.")] = False,
     attention_plot: Annotated[
         Optional[Path],  # noqa: UP045
@@ -108,7 +108,7 @@ def score_pairs(
     tgt: Annotated[Path, typer.Option("--tgt", help="Their given translations, one per line.", show_default=False)],
     output: Annotated[str, typer.Option("--output", "-o", help="Output file, or - for stdout.")] = "-",
     per_token: Annotated[bool, typer.Option("--per-token", help="Add each piece's log-probability.")] = False,
-    overrides: SetOption = None,
+    overrides: DecodeSetOption = None,
     device: DeviceOption = None,
 ) -> None:
     """Score given translations with the model (force-decoding): score, log-probability, pieces per pair.
@@ -171,7 +171,7 @@ def evaluate(
     hypotheses_path: Annotated[
         Optional[Path], typer.Option("--hyps", help="Also write the translations here.", show_default=False)  # noqa: UP045
     ] = None,
-    overrides: SetOption = None,
+    overrides: DecodeSetOption = None,
     shortlist: ShortlistOption = None,
     device: DeviceOption = None,
 ) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import socket
 import stat
 import subprocess
@@ -16,10 +17,13 @@ from pathlib import Path
 import pytest
 import sacrebleu
 import torch
+import typer
 import yaml
 from typer.testing import CliRunner
 
 from seq2seq.cli.main import app
+from seq2seq.config_files import decode_config_with, load_config
+from seq2seq.decoding import DecodeConfig
 from seq2seq.errors import UserInputError
 
 from ..conftest import tiny_config_dict
@@ -61,6 +65,23 @@ def test_help_lists_every_command_with_examples():
     ):
         sub = invoke(*command, "--help")
         assert sub.exit_code == 0 and "Example" in sub.output
+
+
+def test_the_set_example_in_each_commands_help_is_one_that_command_accepts(tmp_path, tiny_data):
+    """A command on a trained model takes decode.* keys alone: its help must not suggest train.lr."""
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump(tiny_config_dict(tiny_data)))
+    on_a_model = {"translate", "eval", "score-pairs"}  # decode_config_with; the others build a config
+    found = set()
+    for name, command in typer.main.get_command(app).commands.items():
+        for option in (param for param in command.params if "--set" in getattr(param, "opts", ())):
+            example = re.search(r"--set (\S+=\S+?)\.? ", option.help + " ").group(1)
+            if name in on_a_model:
+                decode_config_with(DecodeConfig(), [example])
+            else:
+                load_config(config, [example])
+            found.add(name)
+    assert on_a_model | {"train", "demo"} <= found
 
 
 @pytest.fixture(scope="module")
