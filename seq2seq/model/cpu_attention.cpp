@@ -128,15 +128,16 @@ void last_rows(int64_t rows, int64_t cols, int64_t depth, Strided a, const float
 enum class Causal { kAll, kColumnsToRow, kDepthToRow, kDepthFromRow };
 
 // C (rows x cols) = A (rows x depth) B (depth x cols); B and C row-major with row strides ldb, ldc, and
-// cols a multiple of kLanes (the buffers pad their columns).
+// cols a multiple of kLanes (the buffers pad their columns). A causal product's row 0 is the task's
+// query first_row (a block of a long sentence's queries starts past 0).
 void product(int64_t rows, int64_t cols, int64_t depth, Strided a, const float* b, int64_t ldb, float* c,
-             int64_t ldc, Causal causal = Causal::kAll) {
+             int64_t ldc, Causal causal = Causal::kAll, int64_t first_row = 0) {
   for (int64_t i = 0; i < rows; i += kBlockRows) {
-    const int64_t count = std::min(kBlockRows, rows - i), reach = i + count;
+    const int64_t count = std::min(kBlockRows, rows - i), reach = first_row + i + count;
     int64_t block_cols = cols, block_depth = depth, first = 0;
     if (causal == Causal::kColumnsToRow) block_cols = std::min(cols, round_up(reach));
     if (causal == Causal::kDepthToRow) block_depth = std::min(depth, reach);
-    if (causal == Causal::kDepthFromRow) first = std::min(depth, i);
+    if (causal == Causal::kDepthFromRow) first = std::min(depth, first_row + i);
     const Strided block_a = a.from_row(i).from_column(first);
     if (count == kBlockRows)
       row_block<kBlockRows>(block_cols, block_depth - first, block_a, b + first * ldb, ldb, c + i * ldc, ldc);
@@ -199,9 +200,24 @@ struct Task {
   int64_t kept_at;  // where its (queries, padded_keys) probabilities lie in the forward pass's kept ones
   bool causal;
   float scale;
+  int64_t first_query = 0;  // the sentence's query that is this task's query 0 (queries_from)
   // Keys that query i sees: all of them, or (causal) those at or before it.
-  int64_t visible(int64_t i) const { return causal ? std::min(i + 1, keys) : keys; }
+  int64_t visible(int64_t i) const { return causal ? std::min(first_query + i + 1, keys) : keys; }
+  // The task of `count` of its queries from its query `first`, with the same keys.
+  Task queries_from(int64_t first, int64_t count) const {
+    Task part = *this;
+    part.queries = count;
+    part.query_row += first;
+    part.first_query += first;
+    return part;
+  }
 };
+
+// The most scores a forward task holds at once where it keeps none (4 MB): a long sentence's queries
+// take turns in blocks of rows, so that its scratch grows with its length, not with its square (a
+// line of 100,000 pieces asked for 40 GB a head). Each query's row is computed alone, so the blocks
+// give the same bits as the whole.
+constexpr int64_t kScoreFloats = int64_t{1} << 20;
 
 // Scratch floats of one thread, grown to the largest task it meets. A task asks for all it needs
 // first (start), then takes it in pieces. It reads no float that it did not write: padding columns
@@ -540,22 +556,27 @@ void forward_task(const Task& t, const T* q, int64_t q_stride, const T* k, int64
       return forward_task_tiles(t, q, q_stride, k, k_stride, v, v_stride, out, out_stride, lse, kept, scratch);
   }
 #endif
-  const int64_t dim = t.padded_dim, keys = t.padded_keys, queries = t.queries;
-  scratch.start(2 * queries * dim + 2 * dim * keys + (kept ? 0 : queries * keys));
-  float* query = scratch.take(queries * dim);
+  const int64_t dim = t.padded_dim, keys = t.padded_keys;
+  const int64_t block = kept ? t.queries : std::min(t.queries, std::max(kBlockRows, kScoreFloats / keys));
+  scratch.start(2 * block * dim + 2 * dim * keys + (kept ? 0 : block * keys));
+  float* query = scratch.take(block * dim);
   float* keys_t = scratch.take(dim * keys);  // (head_dim, keys): scores = query keys_t
   float* value = scratch.take(keys * dim);
-  float* scores = kept ? kept : scratch.take(queries * keys);
-  float* output = scratch.take(queries * dim);
-  read_rows(q + t.query_row * q_stride + t.column, q_stride, queries, t.head_dim, query, dim);
+  float* scores = kept ? kept : scratch.take(block * keys);
+  float* output = scratch.take(block * dim);
   read_transposed(k + t.key_row * k_stride + t.column, k_stride, t.keys, t.head_dim, keys_t, keys);
   read_rows(v + t.key_row * v_stride + t.column, v_stride, t.keys, t.head_dim, value, dim);
   const Causal columns = t.causal ? Causal::kColumnsToRow : Causal::kAll;
-  product(queries, keys, t.head_dim, rows_of(query, dim), keys_t, keys, scores, keys, columns);
-  softmax_rows(t, scores, lse);
-  product(queries, dim, t.keys, rows_of(scores, keys), value, dim, output, dim,
-          t.causal ? Causal::kDepthToRow : Causal::kAll);
-  write_rows(output, dim, queries, t.head_dim, out + t.query_row * out_stride + t.column, out_stride);
+  const Causal depth = t.causal ? Causal::kDepthToRow : Causal::kAll;
+  for (int64_t first = 0; first < t.queries; first += block) {
+    const Task part = t.queries_from(first, std::min(block, t.queries - first));
+    float* part_scores = kept ? kept + first * keys : scores;
+    read_rows(q + part.query_row * q_stride + t.column, q_stride, part.queries, t.head_dim, query, dim);
+    product(part.queries, keys, t.head_dim, rows_of(query, dim), keys_t, keys, part_scores, keys, columns, first);
+    softmax_rows(part, part_scores, lse + first);
+    product(part.queries, dim, t.keys, rows_of(part_scores, keys), value, dim, output, dim, depth, first);
+    write_rows(output, dim, part.queries, t.head_dim, out + part.query_row * out_stride + t.column, out_stride);
+  }
 }
 
 // The gradients of one task, with D_i = sum_j P_ij dP_ij (= dO_i . O_i, without keeping O):

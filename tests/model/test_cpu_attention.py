@@ -5,6 +5,8 @@ padding rows; the same for any thread count; and a model that takes it trains as
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -109,6 +111,46 @@ def test_any_thread_count_gives_the_same_bits(fused_kernels):
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_long_sentence_attends_in_blocks_of_queries_with_the_same_bits(fused_kernels, causal):
+    """Without probabilities kept for a backward pass (decoding, validation), a sentence whose scores
+    would not fit in the kernel's block takes its queries a block at a time: the output is the one the
+    whole task gives when it keeps them (training's forward pass), bit for bit."""
+    query_lengths = [3, 1100, 40]  # 1,100 x 1,104 scores: over the 2^20 of one block
+    key_lengths = query_lengths if causal else [5, 1300, 60]
+    queries, keys_values = _inputs(torch.float32, causal, 16, query_lengths, key_lengths)
+    query_spans, key_spans = _spans(query_lengths), _spans(key_lengths)
+    with torch.no_grad():
+        blocks = flat_attention(queries, keys_values, query_spans, key_spans, HEADS, causal=causal)
+    whole = flat_attention(queries.requires_grad_(), keys_values, query_spans, key_spans, HEADS, causal=causal)
+    assert whole.grad_fn.saved_tensors[-1].numel() > 0  # kept: the whole task in one block
+    assert torch.equal(blocks, whole.detach())
+
+
+LONG_LINE_IN_LITTLE_MEMORY = """
+import resource
+
+import torch
+
+from seq2seq.model.cpu_attention import flat_attention
+torch.set_num_threads(1)
+rows = 20_000  # its whole scores: 1.6 GB
+queries = torch.randn(rows, 3 * 64)
+spans = torch.tensor([[0, rows]])
+size = int(next(line.split()[1] for line in open("/proc/self/status") if line.startswith("VmSize")))
+resource.setrlimit(resource.RLIMIT_AS, ((size << 10) + (512 << 20),) * 2)
+with torch.no_grad():
+    out = flat_attention(queries, None, spans, spans, 1, causal=False)
+print(bool(out.isfinite().all()))
+"""
+
+
+def test_a_line_of_twenty_thousand_pieces_attends_in_far_less_than_its_scores_memory(fused_kernels):
+    """The encoder of a very long line: 512 MB to spare where its whole scores would take 1.6 GB."""
+    done = subprocess.run([sys.executable, "-c", LONG_LINE_IN_LITTLE_MEMORY], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr[-2000:]
 
 
 def test_spans_are_listed_for_right_padded_rows_only():
