@@ -2,7 +2,8 @@
 
 Bad input (UserInputError), operating-system errors on a user's path (missing, a directory, not
 writable, disk full) and command-line mistakes (a bad flag value, an unknown option) become one line
-per problem on stderr and exit code 2; anything else is a bug, reported in one line with exit 1.
+per problem on stderr and exit code 2; running out of memory is one line saying what to ask less of
+(exit 1); anything else is a bug, reported in one line with exit 1.
 `--debug` (or SEQ2SEQ_DEBUG=1) shows the traceback instead. stdout is left to the results.
 Ctrl-C and SIGTERM end a command through the same boundary: what it holds is released and its
 half-written files are removed on the way out (exit 130 and 143).
@@ -116,6 +117,19 @@ def _missing_extra(error: ModuleNotFoundError) -> str | None:
     return f"{module} is not installed; this command needs seq2seq's [{extra}] extra: pip install 'seq2seq[{extra}]'"
 
 
+# What a command that ran out of memory can ask less of: the work it holds at once.
+LESS_AT_ONCE = (
+    "ask for less at once: train.max_tokens when training, decode.batch_tokens when translating or "
+    "scoring (--set decode.batch_tokens=N), or split very long lines"
+)
+
+
+def _out_of_memory(error: Exception) -> bool:
+    """The host's memory (MemoryError, a C++ std::bad_alloc included) or a GPU's (torch's own error)."""
+    torch = sys.modules.get("torch")  # imported by any command that can run out: --help never does
+    return isinstance(error, MemoryError) or (torch is not None and isinstance(error, torch.OutOfMemoryError))
+
+
 class Terminated(BaseException):
     """SIGTERM, raised in the main thread as Ctrl-C raises KeyboardInterrupt. The default action would
     end the process on the spot, leaving a half-written output beside its target (files.atomic_write
@@ -174,6 +188,8 @@ def user_errors(command):
                 code, lines = 2, str(error).splitlines()
             elif isinstance(error, ModuleNotFoundError) and (missing := _missing_extra(error)):
                 code, lines = 2, [missing]
+            elif _out_of_memory(error):
+                lines = [f"out of memory ({error or type(error).__name__}); {LESS_AT_ONCE}"]
             elif isinstance(error, OSError) and (
                 error.filename is not None or error.errno in (errno.ENOSPC, errno.EDQUOT)
             ):

@@ -13,6 +13,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from seq2seq.cli.boundary import LESS_AT_ONCE
 from seq2seq.cli.main import app
 
 from ..conftest import tiny_config_dict
@@ -365,6 +366,22 @@ def test_a_bug_is_one_line_with_exit_1_and_debug_shows_the_traceback(world: Path
     assert "--debug" in result.stderr
     debug = runner.invoke(app, ["--debug", *args])
     assert isinstance(debug.exception, ZeroDivisionError)  # re-raised: Python prints the traceback
+
+
+def test_running_out_of_memory_is_one_line_saying_what_to_ask_less_of(world: Paths, monkeypatch):
+    """Not "a bug in seq2seq": the machine's memory ran out (MemoryError is what a C++ std::bad_alloc
+    becomes), and the line names the settings that hold less at once."""
+
+    def too_much(*args, **kwargs):
+        raise MemoryError("std::bad_alloc")
+
+    monkeypatch.setattr("seq2seq.inference.pytorch_engine.translate_lines", too_much)
+    monkeypatch.setenv("SEQ2SEQ_DEBUG", "0")
+    result = runner.invoke(app, ["translate", "-c", str(world.checkpoint)], input="a line\n")
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: out of memory (std::bad_alloc); {LESS_AT_ONCE}"]
+    assert "decode.batch_tokens" in LESS_AT_ONCE and "train.max_tokens" in LESS_AT_ONCE
 
 
 @pytest.mark.parametrize(
