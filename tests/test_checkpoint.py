@@ -47,8 +47,11 @@ def test_state_round_trip_keeps_every_field(two_checkpoints):
 def test_checkpoint_loading_refuses_pickled_code(tmp_path):
     evil = tmp_path / "evil.pt"
     torch.save({"format_version": 1, "payload": Path("x")}, evil)  # an arbitrary object, not plain data
-    with pytest.raises(UserInputError, match="not a readable seq2seq checkpoint"):
+    with pytest.raises(UserInputError, match="holds Python objects beside tensors and plain data"):
         Checkpoint.load(evil)
+    (tmp_path / "text.pt").write_text("root:x:0:0:root:/root:/bin/bash\n")
+    with pytest.raises(UserInputError, match="not a readable seq2seq checkpoint; expected a .pt file that seq2seq"):
+        Checkpoint.load(tmp_path / "text.pt")
     torch.save({"model": {}}, tmp_path / "foreign.pt")
     with pytest.raises(UserInputError, match="not a seq2seq checkpoint"):
         Checkpoint.load(tmp_path / "foreign.pt")
