@@ -41,6 +41,9 @@ def plot_training_curves(run_dir: str | Path) -> list[Path]:
     """RUN_DIR/plots/{loss,bleu,lr,memory}.png from RUN_DIR/metrics.jsonl, replacing the ones an
     earlier call wrote and nothing else."""
     run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        found = "not found" if not run_dir.exists() else "not a directory"
+        raise UserInputError(f"{run_dir}: {found}; expected a run directory (seq2seq train --run-dir)")
     out = run_dir / "plots"
     check_replaceable_plots([out / f"{name}.png" for name in FIGURES], command="seq2seq plot")
     records = MetricsLog(run_dir / "metrics.jsonl").read()

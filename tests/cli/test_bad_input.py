@@ -296,6 +296,9 @@ CASES = {
                                       not_created=lambda w: [w.root / "avg.pt"]),
     "plot a folder without metrics": Case(lambda w: ["plot", w.folder],
                                           lambda w: [str(w.folder), "no metrics to plot"]),
+    "plot a run directory that does not exist": Case(lambda w: ["plot", w.nowhere.parent],
+                                                     lambda w: [str(w.nowhere.parent), "not found",
+                                                                "expected a run directory"]),
     "export to an existing path": Case(lambda w: ["export", w.checkpoint, "-o", w.folder],
                                        lambda w: [str(w.folder), "already exists"]),
     "export --max-positions past its bound": Case(
