@@ -179,7 +179,12 @@ class Translator:
 
     def translate(self, lines: list[str], **options: Any) -> list[str]:
         """The best translation of each line, e.g. translate(lines, beam=5); the guidance keywords of
-        translate_nbest apply."""
+        translate_nbest apply. An nbest other than 1 is refused: it would be dropped unseen."""
+        if options.get("nbest", 1) != 1:
+            raise UserInputError(
+                f"options: nbest: translate() returns the best translation of each line; "
+                f"translate_nbest(lines, nbest={options['nbest']!r}) returns the N best"
+            )
         return [t.text for t in self.translate_nbest(lines, **{**options, "nbest": 1})]
 
     def translate_nbest(

@@ -160,3 +160,11 @@ def test_a_str_where_a_list_of_lines_belongs_is_refused(translator, call, messag
     that looks like an answer (and a constraint "la" became the constraints "l" and "a")."""
     with pytest.raises((TypeError, ValueError), match=message):
         call(translator)
+
+
+def test_translate_refuses_an_nbest_it_would_drop(translator, lines):
+    """translate() returns one text per line: nbest=3 there was dropped unseen (and nbest=5 with beam=2,
+    which the CLI refuses, passed); translate_nbest is the call that returns them."""
+    with pytest.raises(UserInputError, match=r"options: nbest: translate\(\) returns the best .*translate_nbest"):
+        translator.translate(lines[:1], nbest=3)
+    assert translator.translate(lines[:1], nbest=1, beam=2) == [translator.translate_nbest(lines[:1], beam=2)[0].text]
