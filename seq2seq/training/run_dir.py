@@ -95,7 +95,9 @@ class RunDir:
         """The directory (made if missing), held by this process while the block runs: a second
         training or resume in it meanwhile (another terminal, a second job) would write its checkpoints
         over this run's, and is refused. The lock is the kernel's (flock on the directory), so a
-        killed process leaves none behind."""
+        killed process leaves none behind. A directory made here and still empty when the block fails
+        (bad data found before anything was written) is removed: the command leaves what it found."""
+        made = not self.root.exists()
         self.root.mkdir(parents=True, exist_ok=True)
         handle = os.open(self.root, os.O_RDONLY)
         try:
@@ -107,6 +109,11 @@ class RunDir:
                     "train, distill or demo); wait for it to stop, or choose another --run-dir"
                 ) from None
             yield
+        except BaseException:
+            if made:
+                with contextlib.suppress(OSError):  # not empty: it holds what the run wrote, kept
+                    self.root.rmdir()
+            raise
         finally:
             os.close(handle)  # and with it the lock
 

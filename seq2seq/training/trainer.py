@@ -93,8 +93,8 @@ class Trainer:
             self._held.enter_context(log_to_file(self.run_dir.log))
         try:
             self._prepare(resumed, resumed_path if resumed else None, start)
-        except BaseException:
-            self._held.close()
+        except BaseException as failure:  # released as a `with` would be, told why (RunDir.held tidies up)
+            self._held.__exit__(type(failure), failure, failure.__traceback__)
             raise
 
     def _prepare(self, resumed: Checkpoint | None, resumed_path: Path | None, start: Checkpoint | None) -> None:
