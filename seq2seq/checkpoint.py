@@ -148,15 +148,9 @@ class Checkpoint:
             state = torch.load(path, map_location="cpu", weights_only=True)
         except FileNotFoundError:
             raise UserInputError(f"{path}: checkpoint not found") from None
-        except pickle.UnpicklingError as exc:
-            if WEIGHTS_ONLY_REFUSAL in str(exc):
-                raise UserInputError(
-                    f"{path}: not a readable seq2seq checkpoint: it holds Python objects beside tensors and plain "
-                    "data, which seq2seq never unpickles (they can run code)"
-                ) from None
-            raise UserInputError(f"{path}: {NOT_A_CHECKPOINT}") from None
-        except Exception:  # torch raises several types for corrupt or foreign files
-            raise UserInputError(f"{path}: {NOT_A_CHECKPOINT}") from None
+        except Exception as exc:  # torch raises several types for corrupt or foreign files
+            refused = isinstance(exc, pickle.UnpicklingError) and WEIGHTS_ONLY_REFUSAL in str(exc)
+            raise UserInputError(f"{path}: {HOLDS_OBJECTS if refused else NOT_A_CHECKPOINT}") from None
         return cls.from_state(state, origin=str(path))
 
     def build_model(self, device: torch.device | str = "cpu") -> Seq2SeqTransformer:
@@ -167,6 +161,10 @@ class Checkpoint:
 
 
 NOT_A_CHECKPOINT = "not a readable seq2seq checkpoint; expected a .pt file that seq2seq wrote (train, average, distill)"
+HOLDS_OBJECTS = (
+    "not a readable seq2seq checkpoint: it holds Python objects beside tensors and plain data, which seq2seq "
+    "never unpickles (they can run code)"
+)
 WEIGHTS_ONLY_REFUSAL = "Weights only load failed"  # how torch.load(weights_only=True) begins its refusal
 _REQUIRED = ("config", "tokenizer", "model", "optimizer", "scaler", "progress", "rng")
 _PROGRESS_ADDED = {
