@@ -32,16 +32,26 @@ def option(
     *,
     served_max: float | None = None,
     served: bool = True,
+    scoring: bool = False,
     engines: frozenset[str] = ENGINES,
     lacking: str = "",
     used: Callable[[DecodeConfig, Collection[str]], bool] | None = None,
 ) -> Any:
     """A DecodeConfig field and its declaration. `served_max`: the server's tighter maximum (a number
-    that sets the amount of work); `served`: whether a request may set it; `engines`: those that
-    honour it, and for the others `lacking` (what they have no way to do) and `used` (when a call
-    relies on the option: from its settings and the keys the caller set)."""
+    that sets the amount of work); `served`: whether a request may set it; `scoring`: whether scoring
+    given pairs (score-pairs, /score, Translator.score) uses it, and so may set it; `engines`: those
+    that honour it, and for the others `lacking` (what they have no way to do) and `used` (when a
+    call relies on the option: from its settings and the keys the caller set)."""
     return setting(
-        default, help, bound, served_max=served_max, served=served, engines=engines, lacking=lacking, used=used
+        default,
+        help,
+        bound,
+        served_max=served_max,
+        served=served,
+        scoring=scoring,
+        engines=engines,
+        lacking=lacking,
+        used=used,
     )
 
 
@@ -57,12 +67,13 @@ def _sampling_with_a_given_seed(decode: DecodeConfig, given: Collection[str]) ->
 class DecodeConfig:
     beam: int = option(5, "beam size; 1 = greedy search", Bound(1, 256), served_max=16)
     length_penalty: float = option(
-        1.0, "alpha of length_norm power and gnmt (ignored by average and none)", Bound(0.0, 10.0)
+        1.0, "alpha of length_norm power and gnmt (ignored by average and none)", Bound(0.0, 10.0), scoring=True
     )
     length_norm: Literal["power", "gnmt", "average", "none"] = option(
         "power",
         "how finished hypotheses are ranked: score / len^alpha (power, as fairseq, Marian, CTranslate2 and "
         "HF rank), score / ((5 + len) / 6)^alpha (gnmt), score / len (average) or the score (none); len counts the EOS",
+        scoring=True,
     )
     max_len_a: float = option(
         1.2, "outputs stop at max_len_a x source length + max_len_b tokens", Bound(0.0, 10.0), served_max=4.0
@@ -82,7 +93,9 @@ class DecodeConfig:
     no_repeat_ngram: int = option(
         0, "forbid repeating any n-gram of this size within an output (0: off)", Bound(0, 32), served_max=8
     )
-    batch_tokens: int = option(4096, "source tokens per translation batch", Bound(1, 1_000_000), served=False)
+    batch_tokens: int = option(
+        4096, "source tokens per translation batch", Bound(1, 1_000_000), served=False, scoring=True
+    )
     sample: bool = option(False, "draw nbest outputs per line from the model instead of searching (beam unused)")
     temperature: float = option(
         1.0,
@@ -179,6 +192,7 @@ class Declared:
     bound: Bound | None
     served_max: float | None
     served: bool
+    scoring: bool
     engines: frozenset[str]
     lacking: str
     used: Callable[[DecodeConfig, Collection[str]], bool] | None
@@ -202,3 +216,14 @@ def refusals(decode: DecodeConfig, engine: str, *, given: Collection[str] = ()) 
         for item in declarations()
         if engine not in item.engines and item.used is not None and item.used(decode, given)
     ]
+
+
+def unused_by_scoring(given: Collection[str]) -> list[str]:
+    """The decode options among `given` that scoring given pairs never reads (a beam, a temperature):
+    setting one there would change nothing, so the doors that score refuse it rather than ignore it."""
+    return [item.name for item in declarations() if item.name in given and not item.scoring]
+
+
+def scoring_options() -> list[str]:
+    """The decode options scoring reads: how scores are normalised, and how pairs are batched."""
+    return [item.name for item in declarations() if item.scoring]

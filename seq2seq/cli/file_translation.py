@@ -189,7 +189,7 @@ def score_file(
     if output != "-":
         check_new_file(output)
     translator = Translator.load(model, device=device)
-    decode = translator.settings(decode_overrides)
+    decode = translator.scoring_settings(decode_overrides)
     names = Names(line=f"{src} and {tgt}, line {{number}}")
     if rereadable and translator.max_positions is not None:  # a pair it would refuse: before any work
         for chunk, first in _numbered(chunked(_pairs(src, tgt), FILE_CHUNK_LINES)):

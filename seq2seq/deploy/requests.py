@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from seq2seq.decoding import DecodeConfig, declarations
+from seq2seq.decoding import Declared, DecodeConfig, declarations
 from seq2seq.errors import UserInputError
 from seq2seq.inference.admission import LinePlan, Names
 from seq2seq.inference.translator import Translator
 
 SERVED = {option.name: option for option in declarations() if option.served}  # the decode options a request may set
+SERVED_FOR_SCORING = {name: option for name, option in SERVED.items() if option.scoring}  # those /score reads
 _NAMED = 5  # unknown fields an error names
 
 
@@ -55,7 +56,7 @@ def request_schema(limits: Limits, kind: str) -> dict:
     texts = {"type": "array", "items": text, "maxItems": limits.max_lines}
     json_types = {int: "integer", float: "number", str: "string", bool: "boolean"}
     decode = {}
-    for name, option in SERVED.items():
+    for name, option in (SERVED_FOR_SCORING if kind == "score" else SERVED).items():
         decode[name] = {"type": json_types[option.kind], "description": option.help}
         if option.choices:
             decode[name]["enum"] = list(option.choices)
@@ -108,7 +109,7 @@ class RequestError(Exception):
 
 def parse_request(body: object, translator: Translator, limits: Limits) -> Job:
     """The work a /translate body asks for, or a RequestError (413 or 422) saying what is wrong."""
-    lines = [_one_line(line) for line in _texts(body, "lines", limits, extra=("prefixes", "constraints"))]
+    lines = [_one_line(line) for line in _texts(body, "lines", limits, extra={"prefixes", "constraints", *SERVED})]
     prefixes = body.get("prefixes")
     if prefixes is not None:
         prefixes = [_one_line(prefix) for prefix in _texts(body, "prefixes", limits, count=len(lines))]
@@ -127,9 +128,10 @@ def parse_request(body: object, translator: Translator, limits: Limits) -> Job:
 
 def parse_score_request(body: object, translator: Translator, limits: Limits) -> Job:
     """The pairs a /score body asks to score, or a RequestError."""
-    sources = [_one_line(line) for line in _texts(body, "sources", limits, extra=("targets",))]
+    fields = {"targets", *SERVED_FOR_SCORING}  # a beam or a temperature would change no score: unknown here
+    sources = [_one_line(line) for line in _texts(body, "sources", limits, extra=fields)]
     targets = [_one_line(line) for line in _texts(body, "targets", limits, count=len(sources))]
-    decode = _decode(body, translator, limits)
+    decode = _decode(body, translator, limits, SERVED_FOR_SCORING)
     try:
         plans = translator.plan_scoring(sources, targets, names=Names(line="pair {index}"))
     except UserInputError as error:
@@ -168,14 +170,14 @@ def _one_line(text: str) -> str:
 
 
 def _texts(
-    body: object, key: str, limits: Limits, *, extra: tuple[str, ...] = (), count: int | None = None
+    body: object, key: str, limits: Limits, *, extra: Collection[str] = (), count: int | None = None
 ) -> list[str]:
-    """body[key], checked: a JSON object whose fields are known, a list of strings within the size
-    limits (and `count` long, for a list that goes with another)."""
+    """body[key], checked: a JSON object with no field but `key` and `extra`, a list of strings within
+    the size limits (and `count` long, for a list that goes with another)."""
     if not isinstance(body, dict):
         raise RequestError(422, f'expected a JSON object such as {{"{key}": ["..."]}}')
     if count is None:
-        known = {key, *extra, *SERVED}
+        known = {key, *extra}
         unknown = sorted(set(body) - known)
         if unknown:  # named cut short, and at most _NAMED of them: the answer never echoes a large body
             named = ", ".join(name if len(name) <= 40 else name[:37] + "..." for name in unknown[:_NAMED])
@@ -209,12 +211,14 @@ def _constraints(value: object, count: int, limits: Limits) -> list[list[str]]:
     return [[_one_line(term) for term in terms] for terms in value]
 
 
-def _decode(body: dict, translator: Translator, limits: Limits) -> DecodeConfig:
-    """The request's decode fields, typed and bounded, on the model's defaults; what the engine does
-    not do (an explicit seed on CTranslate2) is refused here too."""
-    options = {key: body[key] for key in SERVED if key in body}
+def _decode(
+    body: dict, translator: Translator, limits: Limits, served: Mapping[str, Declared] = SERVED
+) -> DecodeConfig:
+    """The request's decode fields among `served`, typed and bounded, on the model's defaults; what
+    the engine does not do (an explicit seed on CTranslate2) is refused here too."""
+    options = {key: body[key] for key in served if key in body}
     for key, value in options.items():
-        kind = SERVED[key].kind
+        kind = served[key].kind
         if not _has_json_type(value, kind):
             expected = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}[kind]
             raise RequestError(422, f"{key}: expected {expected}, got {shortened(value)}")

@@ -19,7 +19,7 @@ from typing import Any
 
 from seq2seq.config_files import decode_config_from, decode_config_with
 from seq2seq.data.sources import normalize
-from seq2seq.decoding import DecodeConfig, refusals
+from seq2seq.decoding import DecodeConfig, refusals, scoring_options, unused_by_scoring
 from seq2seq.errors import UserInputError
 from seq2seq.inference.admission import LinePlan, Names, plan_scoring, plan_translation, unspellable
 from seq2seq.inference.engine import EXPORT_METADATA, Engine, LinesDone, PairScore, Translation
@@ -133,8 +133,27 @@ class Translator:
         decode = decode_config_with(self.decode, overrides) if overrides else self.decode
         typed = {key: value for key, value in options.items() if value is not None}
         decode = decode_config_from(decode, typed, origin="options") if typed else decode
-        given = {item.partition("=")[0].removeprefix("decode.") for item in overrides} | set(typed)
-        self.check_supported(decode, given=given)
+        self.check_supported(decode, given=_given(overrides, typed))
+        return decode
+
+    def scoring_settings(self, overrides: Iterable[str] = (), **options: Any) -> DecodeConfig:
+        """`settings` for scoring given pairs, which reads only the options declared for scoring
+        (decoding.py); one it never reads (a beam, a temperature) is refused, not ignored: a score
+        that seemed to honour it would be silently wrong."""
+        overrides = list(overrides)
+        decode = self.settings(overrides, **options)  # unknown keys and bad values first, as everywhere
+        typed = {key for key, value in options.items() if value is not None}
+        given = _given(overrides, typed)
+        unused = unused_by_scoring(given)
+        if unused:
+            takes = ", ".join(f"decode.{name}" for name in scoring_options())
+            raise UserInputError(
+                "\n".join(
+                    f"{'options: ' if name in typed else ''}decode.{name}: scoring given pairs does not use it "
+                    f"(a score is the model's log-probability of the given target); scoring takes {takes}"
+                    for name in unused
+                )
+            )
         return decode
 
     def check_supported(self, decode: DecodeConfig, *, given: Iterable[str] = (), constrained: bool = False) -> None:
@@ -213,7 +232,8 @@ class Translator:
     def score(self, sources: list[str], targets: list[str], **options: Any) -> list[PairScore]:
         """How likely the model finds each given target for its source (force-decoding): per-piece
         log-probabilities and their length-normalised sum, e.g. to filter noisy pairs or rerank."""
-        return self.score_with(_text_list(sources, "sources"), _text_list(targets, "targets"), self.settings(**options))
+        sources, targets = _text_list(sources, "sources"), _text_list(targets, "targets")
+        return self.score_with(sources, targets, self.scoring_settings(**options))
 
     def score_with(
         self,
@@ -266,6 +286,11 @@ class Translator:
             deadline=deadline,
             progress=progress,
         )
+
+
+def _given(overrides: list[str], typed: Iterable[str]) -> set[str]:
+    """The decode options a caller set: the keys of its `decode.KEY=VALUE` overrides and its keywords."""
+    return {item.partition("=")[0].removeprefix("decode.") for item in overrides} | set(typed)
 
 
 def _text_list(texts: Iterable[str], name: str) -> list[str]:

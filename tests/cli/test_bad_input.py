@@ -212,6 +212,10 @@ CASES = {
         lambda w: [str(w.file), "already exists"]),
     "eval on empty files": Case(lambda w: ["eval", "-c", w.checkpoint, "--src", w.empty, "--ref", w.empty],
                                 lambda w: [str(w.empty), "no lines to translate"]),
+    "score-pairs --set a decode key scoring does not read": Case(
+        lambda w: ["score-pairs", "-c", w.checkpoint, "--src", w.data / "test.en", "--tgt", w.data / "test.xx",
+                   "--set", "decode.temperature=0.5"],
+        lambda w: ["decode.temperature: scoring given pairs does not use it", "scoring takes decode.length_penalty"]),
     "score-pairs with counts that differ": Case(
         lambda w: ["score-pairs", "-c", w.checkpoint, "--src", w.data / "test.en", "--tgt", w.data / "train.xx"],
         lambda w: [str(w.data / "train.xx"), "has 3000 lines", "has 60", "expected one target per source"]),

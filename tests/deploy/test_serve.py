@@ -104,6 +104,11 @@ def test_prefixes_constraints_and_scores_equal_the_python_api(server):
     assert short.status_code == 422 and "targets: 3 given; expected one per line (4)" in short.json()["error"]
     unknown = httpx.post(f"{url}/score", json={"sources": lines, "targets": references, "lines": []}, timeout=60)
     assert unknown.status_code == 422 and "unknown field(s) lines" in unknown.json()["error"]
+    unread = httpx.post(f"{url}/score", json={"sources": lines, "targets": references, "temperature": 0.5}, timeout=60)
+    assert unread.status_code == 422  # a temperature changes no score: answering it as if it did would mislead
+    assert unread.json()["error"].startswith("unknown field(s) temperature; expected length_norm, length_penalty")
+    raw = httpx.post(f"{url}/score", json={"sources": lines, "targets": references, "length_norm": "none"}, timeout=60)
+    assert [s["score"] for s in raw.json()["scores"]] == [s["log_prob"] for s in scores]
     long = httpx.post(f"{url}/score", json={"sources": lines[:1], "targets": ["\ufdfa" * 300]}, timeout=60)
     assert long.status_code == 413 and "targets[0]: " in long.json()["error"]
     assert "pieces with its end; at most 256 per line" in long.json()["error"]

@@ -162,6 +162,16 @@ def test_a_str_where_a_list_of_lines_belongs_is_refused(translator, call, messag
         call(translator)
 
 
+def test_scoring_refuses_the_options_it_does_not_read(translator, lines):
+    """A score is the given target's log-probability: a temperature or a beam would change nothing,
+    so a call that sets one is refused rather than answered as if it had been honoured."""
+    targets = translator.translate(lines[:2])
+    with pytest.raises(UserInputError, match=r"options: decode.temperature: scoring given pairs does not use it"):
+        translator.score(lines[:2], targets, temperature=0.5)
+    raw = translator.score(lines[:2], targets, length_norm="none")
+    assert [pair.score for pair in raw] == [pair.log_prob for pair in raw]
+
+
 def test_translate_refuses_an_nbest_it_would_drop(translator, lines):
     """translate() returns one text per line: nbest=3 there was dropped unseen (and nbest=5 with beam=2,
     which the CLI refuses, passed); translate_nbest is the call that returns them."""
