@@ -137,12 +137,11 @@ def export_checkpoint(
     sources, references = _check_sentences(checkpoint, check_src, check_ref, check_lines)
     positions = max_positions or position_table_size(checkpoint.config)
     tokenizer = checkpoint.tokenizer
-    where = check_src or "the validation split"  # a check sentence the export could not place: before any work
-    plan_translation(
+    plan_translation(  # a check sentence the export could not place: before any work
         ModelCapacity(tokenizer.src_model, tokenizer.tgt_model, positions),
         sources,
         checkpoint.config.decode,
-        names=Names(line=f"{where}:{{number}}"),
+        names=Names(line=_gate_sentence_name(checkpoint, check_src)),
     )
     spec = build_spec(checkpoint, positions)
     for folder in reversed(missing):
@@ -312,15 +311,28 @@ def _check_sentences(checkpoint: Checkpoint, src: Path | None, ref: Path | None,
     if (src is None) != (ref is None):
         raise UserInputError("--check-src and --check-ref go together (sources and their references)")
     if src is not None:
-        sources, references = list(read_lines(src))[:limit], list(read_lines(ref))[:limit]
-        if len(sources) != len(references) or not sources:
-            raise UserInputError(f"{src} and {ref}: expected the same number of lines, at least one")
-        return sources, references
+        sources, references = list(read_lines(src)), list(read_lines(ref))
+        if not sources:
+            raise UserInputError(f"{src}: no lines; expected the parity gate's source sentences")
+        if len(sources) != len(references):  # counted whole: files that part after --check-lines are not a pair
+            raise UserInputError(
+                f"{ref}: has {len(references)} lines but {src} has {len(sources)}; expected one reference per source"
+            )
+        return sources[:limit], references[:limit]
     try:
         valid = read_split(checkpoint.config.data, "valid")
     except UserInputError as error:
         raise UserInputError(f"{error}; the parity gate needs sentences: pass --check-src and --check-ref") from None
     return valid.src[:limit], valid.tgt[:limit]
+
+
+def _gate_sentence_name(checkpoint: Checkpoint, src: Path | None) -> str:
+    """How a refusal names a parity-gate sentence: a line of --check-src or of the validation split's
+    source file, where each line is a sentence; for other formats, the split and the sentence's place."""
+    valid = checkpoint.config.data.valid
+    if src is None and (valid is None or valid.format != "text"):
+        return "data.valid, sentence {number}"
+    return f"{src if src is not None else valid.src}:{{number}}"
 
 
 def _write_tokenizer_and_metadata(directory: Path, checkpoint: Checkpoint, quantization: str, positions: int) -> None:

@@ -371,6 +371,20 @@ def test_bad_export_options_are_one_line(checkpoint, tmp_path, args, fragment):
     assert not (tmp_path / "model").exists()
 
 
+def test_the_gate_sentences_are_named_as_files_and_counted_whole(checkpoint, tmp_path):
+    """Gate files that part after --check-lines are not a pair (both were cut to the first lines and
+    passed); a gate sentence the export cannot place is named by its file and line."""
+    path, data = checkpoint
+    unequal = ["--check-src", data / "test.en", "--check-ref", data / "train.xx", "--check-lines", "5"]
+    result = invoke("export", path, "-o", tmp_path / "model", *unequal)
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert f"{data / 'train.xx'}: has 3000 lines but {data / 'test.en'} has 60" in result.stderr
+    result = invoke("export", path, "-o", tmp_path / "model", "--max-positions", "3", "--check-lines", "5")
+    valid = Checkpoint.load(path).config.data.valid.src
+    assert result.exit_code == 2 and result.stderr.startswith(f"error: {valid}:1: ")
+    assert not (tmp_path / "model").exists()
+
+
 def test_existing_output_and_foreign_directories_are_refused(checkpoint, tmp_path):
     path, data = checkpoint
     (tmp_path / "taken").mkdir()
