@@ -25,9 +25,9 @@ from tqdm import tqdm
 from typer.core import TyperGroup
 
 try:  # recent typer ships its own copy of click
-    from typer._click.exceptions import NoArgsIsHelpError, UsageError
+    from typer._click.exceptions import NoArgsIsHelpError, NoSuchOption, UsageError
 except ImportError:  # pragma: no cover - older typer on click
-    from click.exceptions import NoArgsIsHelpError, UsageError
+    from click.exceptions import NoArgsIsHelpError, NoSuchOption, UsageError
 
 from seq2seq.errors import UserInputError
 
@@ -45,7 +45,7 @@ class OneLineUsageErrors(TyperGroup):
             result = error.exit_code
         except UsageError as error:
             command = f"{error.ctx.command_path}: " if error.ctx is not None else ""
-            typer.echo(f"error: {command}{error.format_message()} (see --help)", err=True)
+            typer.echo(f"error: {command}{error.format_message()}{_argument_hint(error)} (see --help)", err=True)
             result = 2
         except typer.Abort:
             typer.echo("interrupted", err=True)
@@ -53,6 +53,19 @@ class OneLineUsageErrors(TyperGroup):
         if not standalone:
             return result
         sys.exit(result if isinstance(result, int) else 0)
+
+
+def _argument_hint(error: UsageError) -> str:
+    """For an unknown option that names one of the command's arguments (`train --config x.yaml`, as
+    Marian and eole spell it; `export --checkpoint`), how the argument is given here."""
+    if not isinstance(error, NoSuchOption) or error.ctx is None:
+        return ""
+    wanted = error.option_name.lstrip("-").replace("-", "_")
+    for param in error.ctx.command.params:
+        if param.param_type_name == "argument" and param.name == wanted:
+            name = param.name.upper()
+            return f"; {name} is an argument, given without a flag: {error.ctx.command_path} {name}"
+    return ""
 
 
 class _TqdmHandler(logging.Handler):

@@ -334,6 +334,10 @@ CASES = {
     "distill a config without a distill section": Case(
         lambda w: ["distill", w.config, "--run-dir", w.root / "dd"],
         lambda w: [str(w.config), "no distill section"], not_created=lambda w: [w.root / "dd"]),
+    "train --config, an argument given as an option": Case(
+        lambda w: ["train", "--config", w.config, "--run-dir", w.root / "tc"],
+        lambda w: ["No such option: --config", "CONFIG is an argument, given without a flag: ", " train CONFIG"],
+        not_created=lambda w: [w.root / "tc"]),
     "demo --config missing": Case(lambda w: ["demo", "--config", w.missing, "--run-dir", w.root / "d"],
                                   lambda w: [str(w.missing), "config file not found"]),
 }  # fmt: skip
