@@ -10,6 +10,7 @@ how: a stream (a pipe) can be read only once (read_once).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import shutil
 import socket
@@ -108,6 +109,21 @@ def atomic_write(path: str | Path) -> Iterator[BinaryIO]:
 def write_text_atomic(path: str | Path, text: str) -> None:
     with atomic_write(path) as handle:
         handle.write(text.encode("utf-8"))
+
+
+DIGEST_BLOCK = 1 << 20  # bytes read at a time when fingerprinting a file
+
+
+def content_digest(path: str | Path) -> str:
+    """The content of a file (a checkpoint), or of every file under a directory (an export) with its
+    name, as a sha256: what a stage that depends on it compares to know it is still current."""
+    path, digest = Path(path), hashlib.sha256()
+    for file in sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]:
+        digest.update(file.relative_to(path).as_posix().encode() if path.is_dir() else b"")
+        with open(file, "rb") as handle:
+            while block := handle.read(DIGEST_BLOCK):
+                digest.update(block)
+    return digest.hexdigest()
 
 
 PNG_SOFTWARE = "seq2seq"  # the PNG's Software text field: what marks a plot as written by seq2seq

@@ -137,7 +137,7 @@ def _describe_export(path: Path) -> dict[str, Any]:
     if not isinstance(metadata, dict):
         raise UserInputError(f"{path / EXPORT_METADATA}: expected a JSON object")
     described = {"path": str(path), "kind": "export", "engine": metadata.get("engine")}
-    for key in ("quantization", "max_positions", "step", "src_lang", "tgt_lang", "decode"):
+    for key in ("quantization", "max_positions", "step", "checkpoint_sha256", "src_lang", "tgt_lang", "decode"):
         if key in metadata:
             described[key] = metadata[key]
     if isinstance(metadata.get("best_bleu"), (int, float)) and metadata["best_bleu"] >= 0:

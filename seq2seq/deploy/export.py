@@ -38,7 +38,7 @@ from seq2seq.data.sources import read_lines
 from seq2seq.errors import UserInputError
 from seq2seq.evaluation.evaluate import translate_and_score
 from seq2seq.evaluation.scoring import Scores
-from seq2seq.files import remove_stale_temporaries, temporary_path
+from seq2seq.files import content_digest, remove_stale_temporaries, temporary_path
 from seq2seq.inference.admission import ModelCapacity, Names, plan_translation
 from seq2seq.inference.ctranslate2_engine import SHORTLIST_FILE, GpuUnusable, position_table_size
 from seq2seq.inference.engine import EXPORT_METADATA
@@ -150,7 +150,7 @@ def export_checkpoint(
     staging = temporary_path(output)
     try:
         _SpecConverter(spec).convert(str(staging), quantization=quantization, force=True)
-        _write_tokenizer_and_metadata(staging, checkpoint, quantization, positions)
+        _write_tokenizer_and_metadata(staging, checkpoint, content_digest(checkpoint_path), quantization, positions)
         if shortlist is not None:
             shutil.copyfile(shortlist, staging / SHORTLIST_FILE)
         ours = Translator.load(checkpoint_path, device="cpu", shortlist=shortlist)
@@ -335,7 +335,9 @@ def _gate_sentence_name(checkpoint: Checkpoint, src: Path | None) -> str:
     return f"{src if src is not None else valid.src}:{{number}}"
 
 
-def _write_tokenizer_and_metadata(directory: Path, checkpoint: Checkpoint, quantization: str, positions: int) -> None:
+def _write_tokenizer_and_metadata(
+    directory: Path, checkpoint: Checkpoint, checkpoint_sha256: str, quantization: str, positions: int
+) -> None:
     protos = checkpoint.tokenizer.protos()
     files = {name: f"{name}.model" for name in protos}
     for name, proto in protos.items():
@@ -350,6 +352,7 @@ def _write_tokenizer_and_metadata(directory: Path, checkpoint: Checkpoint, quant
         "tgt_lang": config.data.tgt_lang,
         "tokenizer": {"src": files.get("joint", files.get("src")), "tgt": files.get("joint", files.get("tgt"))},
         "step": checkpoint.progress.step,
+        "checkpoint_sha256": checkpoint_sha256,  # the file it came from: a later checkpoint is another model
         "best_bleu": checkpoint.progress.best_bleu,
         "decode": dataclasses.asdict(config.decode),
         "config": config.to_dict(),

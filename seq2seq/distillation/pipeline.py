@@ -14,17 +14,23 @@ and started again ends with what an uninterrupted run makes (tests/distillation)
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import logging
+import os
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from seq2seq.checkpoint import Checkpoint, run_checkpoint
 from seq2seq.config import Config, CorpusConfig
-from seq2seq.deploy.export import export_checkpoint
-from seq2seq.distillation.report import ModelRun, compare, write_report
+from seq2seq.deploy.export import ParityReport, export_checkpoint
+from seq2seq.distillation.report import ModelRun, compare, read_report, write_report
 from seq2seq.distillation.teacher_targets import DistilledCorpus, distilled_corpora, teacher_paths
 from seq2seq.errors import UserInputError
+from seq2seq.files import content_digest
+from seq2seq.inference.engine import EXPORT_METADATA
 from seq2seq.inference.shortlist import shortlist_from_corpus
 from seq2seq.training.run_dir import RunDir
 from seq2seq.training.trainer import Trainer
@@ -61,23 +67,61 @@ def _stages(
     shortlist = _shortlist(config, corpora, student, run_dir / "student.shortlist")
     echo(f"3/5 shortlist: {shortlist or 'off (distill.shortlist: false)'}")
     shipped = run_dir / f"student-{config.distill.quantization}"
-    if not shipped.exists():
-        report = export_checkpoint(
+    student_sha256 = content_digest(student)
+    exported_from = _exported_from(shipped)
+    if exported_from == student_sha256:
+        echo(f"4/5 export: {shipped} (exported before)")
+    else:
+        export = functools.partial(
+            export_checkpoint,
             student,
-            shipped,
             quantization=config.distill.quantization,
             max_bleu_drop=config.distill.max_bleu_drop,
             shortlist=shortlist,
         )
-        echo(f"4/5 export: {report.describe()}")
+        again = " (again: the student trained on since its export)" if exported_from is not None else ""
+        echo(f"4/5 export{again}: {_replace_export(shipped, export).describe()}")
+    report_path = run_dir / "report.json"
+    inputs = {"student_sha256": student_sha256, "teacher_targets": [str(corpus.tgt) for corpus in corpora]}
+    runs = read_report(report_path, inputs)
+    if runs is None:
+        runs = compare(config, teachers, shipped, run_dir / "report", teacher_beam=config.distill.beam)
+        stages = {"distilled_pairs": pairs, "student": str(student), "shortlist": str(shortlist or ""),
+                  "shipped": str(shipped)}  # fmt: skip
+        write_report(report_path, runs, {**stages, **inputs})
+        echo(f"5/5 report: {report_path}")
     else:
-        echo(f"4/5 export: {shipped} (exported before)")
-    runs = compare(config, teachers, shipped, run_dir / "report", teacher_beam=config.distill.beam)
-    stages = {"distilled_pairs": pairs, "student": str(student), "shortlist": str(shortlist or ""),
-              "shipped": str(shipped)}  # fmt: skip
-    write_report(run_dir / "report.json", runs, stages)
-    echo(f"5/5 report: {run_dir / 'report.json'}")
-    return Distilled(student, shipped, runs, run_dir / "report.json")
+        echo(f"5/5 report: {report_path} (made before, of this student and teacher)")
+    return Distilled(student, shipped, runs, report_path)
+
+
+def _exported_from(shipped: Path) -> str | None:
+    """The digest of the checkpoint `shipped` was exported from ("" for an export that does not say;
+    None where there is no export)."""
+    if not shipped.exists():
+        return None
+    try:
+        return str(json.loads((shipped / EXPORT_METADATA).read_text(encoding="utf-8")).get("checkpoint_sha256", ""))
+    except (OSError, ValueError, AttributeError):
+        return ""
+
+
+def _replace_export(shipped: Path, export: Callable[[Path], ParityReport]) -> ParityReport:
+    """Export to `shipped`; an export already there, of an earlier student of this run, is set aside
+    first and removed once the new one has passed its gate, or put back if it does not (a run then
+    started again tries once more: nothing of the run is lost)."""
+    earlier = shipped.with_name(f".{shipped.name}.earlier")
+    if shipped.exists():
+        shutil.rmtree(earlier, ignore_errors=True)  # left by a run killed while replacing it
+        os.replace(shipped, earlier)
+    try:
+        report = export(shipped)
+    except BaseException:
+        if earlier.exists() and not shipped.exists():
+            os.replace(earlier, shipped)
+        raise
+    shutil.rmtree(earlier, ignore_errors=True)
+    return report
 
 
 def student_config(config: Config, corpora: list[DistilledCorpus]) -> Config:

@@ -5,6 +5,7 @@ loading and translation), its output scored with sacrebleu; and each model's siz
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -47,13 +48,19 @@ def compare(config: Config, teacher: list[Path], student: Path, folder: Path, *,
 
 
 def _timed(name: str, options: list[str], source: Path, output: Path, refs: list[str], size: float) -> ModelRun:
-    command = [sys.executable, "-m", "seq2seq", "--quiet", "translate", *options, "-i", str(source), "-o", str(output)]
+    """`seq2seq translate` into a file of its own, which then replaces `output`: the outputs of a report
+    made before (of an earlier student, or one killed before its report.json) are this stage's own."""
+    partial = output.with_name(f".{output.name}.partial")
+    partial.unlink(missing_ok=True)
+    command = [sys.executable, "-m", "seq2seq", "--quiet", "translate", *options, "-i", str(source), "-o", str(partial)]
     started = time.perf_counter()
     finished = subprocess.run(command, capture_output=True, text=True, check=False)
     seconds = time.perf_counter() - started
     if finished.returncode != 0:
+        partial.unlink(missing_ok=True)
         last = (finished.stderr.strip().splitlines() or ["no message"])[-1]
         raise UserInputError(f"distill report: the {name} could not translate the test split ({last})")
+    os.replace(partial, output)
     hypotheses = output.read_text(encoding="utf-8").splitlines()
     scores = score(hypotheses, [refs], ScoreOptions(metrics=("bleu", "chrf")))
     shown = " ".join(["seq2seq translate", *options, "-i", source.name])
@@ -88,3 +95,15 @@ def table(runs: list[ModelRun]) -> str:
 
 def write_report(path: Path, runs: list[ModelRun], stages: dict) -> None:
     write_text_atomic(path, json.dumps({"models": [asdict(run) for run in runs], **stages}, indent=2) + "\n")
+
+
+def read_report(path: Path, inputs: dict) -> list[ModelRun] | None:
+    """The runs of the report at `path` if it was made from these `inputs` (the student's digest, the
+    teacher's targets); None where there is none, or it is of another student or teacher."""
+    try:
+        report = json.loads(path.read_text(encoding="utf-8"))
+        if any(report.get(key) != value for key, value in inputs.items()):
+            return None
+        return [ModelRun(**run) for run in report["models"]]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None

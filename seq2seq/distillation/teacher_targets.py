@@ -20,12 +20,10 @@ from seq2seq.checkpoint import run_checkpoint
 from seq2seq.config import Config, CorpusConfig
 from seq2seq.data.prepare import read_pairs
 from seq2seq.errors import UserInputError
-from seq2seq.files import write_text_atomic
+from seq2seq.files import content_digest, write_text_atomic
 from seq2seq.inference.engine import EXPORT_METADATA
 from seq2seq.inference.translator import Translator
 from seq2seq.progress import progress_bar
-
-DIGEST_BLOCK = 1 << 20  # bytes read at a time when fingerprinting a checkpoint
 
 
 @dataclass(frozen=True)
@@ -64,7 +62,7 @@ def _distilled(config: Config, given: CorpusConfig, key: str, folder: Path, *, p
     distill, teachers = config.distill, teacher_paths(config)
     corpus = read_pairs(config.data, given, key)
     identity = {
-        "teacher": [_digest(path) for path in teachers],
+        "teacher": [content_digest(path) for path in teachers],
         "beam": distill.beam,
         "nbest": distill.nbest,
         "sample": distill.sample,
@@ -123,14 +121,3 @@ def _translate_in_chunks(
 
 def _chunk_path(work: Path, start: int, size: int) -> Path:
     return work / f"chunk-{start // size:06d}-of-{size}.json"
-
-
-def _digest(path: Path) -> str:
-    """The content of a checkpoint (or of every file of an exported directory), as a sha256."""
-    digest = hashlib.sha256()
-    for file in sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]:
-        digest.update(file.relative_to(path).as_posix().encode() if path.is_dir() else b"")
-        with open(file, "rb") as handle:
-            while block := handle.read(DIGEST_BLOCK):
-                digest.update(block)
-    return digest.hexdigest()

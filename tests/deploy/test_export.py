@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -654,4 +655,5 @@ def test_info_describes_an_export_by_its_metadata(exported_directory, trained_ch
     source = Checkpoint.load(trained_checkpoint[0])
     assert described["kind"] == "export" and described["engine"] == "ctranslate2"
     assert described["quantization"] == "float32" and described["step"] == source.progress.step
+    assert described["checkpoint_sha256"] == hashlib.sha256(trained_checkpoint[0].read_bytes()).hexdigest()
     assert described["decode"] == dataclasses.asdict(source.config.decode)

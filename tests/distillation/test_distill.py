@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -15,10 +16,13 @@ from typer.testing import CliRunner
 
 pytest.importorskip("ctranslate2", reason="optional extra: pip install -e '.[export]' (included in [dev])")
 
+from seq2seq.checkpoint import Checkpoint  # noqa: E402
 from seq2seq.cli.main import app  # noqa: E402
 from seq2seq.config_files import load_config  # noqa: E402
 from seq2seq.deploy import export as export_module  # noqa: E402
 from seq2seq.distillation import pipeline, teacher_targets  # noqa: E402
+from seq2seq.distillation import report as report_module  # noqa: E402
+from seq2seq.files import content_digest  # noqa: E402
 from seq2seq.inference.translator import Translator  # noqa: E402
 from seq2seq.training import trainer as trainer_module  # noqa: E402
 
@@ -129,6 +133,20 @@ def test_a_run_killed_in_each_stage_ends_like_an_uninterrupted_one(
     monkeypatch.setattr(export_module, "parity", real_parity)
     assert not (run_dir / "student-int8").exists()
 
+    real_timed = report_module._timed
+
+    def die_once_the_teacher_has_translated(name, *args):
+        run = real_timed(name, *args)
+        if name == "teacher":
+            raise Killed  # its output written, the student's not, no report.json
+        return run
+
+    monkeypatch.setattr(report_module, "_timed", die_once_the_teacher_has_translated)
+    with pytest.raises(Killed):
+        pipeline.distill(config, run_dir, progress=False, echo=lambda _: None)
+    monkeypatch.setattr(report_module, "_timed", real_timed)
+    assert (run_dir / "report" / "teacher.out").is_file() and not (run_dir / "report.json").exists()
+
     pipeline.distill(config, run_dir, progress=False, echo=lambda _: None)
     assert chunks == ["chunk-000000-of-50.json", "chunk-000001-of-50.json", "chunk-000002-of-50.json"]  # none twice
     resumed, whole = _weights(run_dir), _weights(uninterrupted)
@@ -138,6 +156,40 @@ def test_a_run_killed_in_each_stage_ends_like_an_uninterrupted_one(
     assert Translator.load(run_dir / "student-int8").translate(lines) == Translator.load(
         uninterrupted / "student-int8"
     ).translate(lines)
+
+
+def test_a_student_trained_on_is_exported_and_reported_again(uninterrupted, student_config, tmp_path):
+    """The same command with more updates trains the student on: its export and report were of the
+    earlier student, so both are made again (the export was kept as it stood, stale); run once more,
+    nothing has changed and neither is."""
+    shutil.copytree(uninterrupted, tmp_path / "run")
+    config, run_dir = load_config(student_config), tmp_path / "run"
+    student = run_dir / "student" / "checkpoints" / "best.pt"
+    exported_before = content_digest(student)
+    # best.pt by chrF, which rises from 3 to 12 here between steps 20 and 40: a student that changed
+    longer = dataclasses.replace(config, train=dataclasses.replace(config.train, max_steps=40, best_metric="chrf"))
+    said = []
+    pipeline.distill(longer, run_dir, progress=False, echo=said.append)
+    assert content_digest(student) != exported_before
+    exported = json.loads((run_dir / "student-int8" / "seq2seq_export.json").read_text())
+    assert (
+        exported["checkpoint_sha256"] == content_digest(student)
+        and exported["step"] == Checkpoint.load(student).progress.step
+    )
+    assert any(line.startswith("4/5 export (again: the student trained on since its export)") for line in said)
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["student_sha256"] == exported["checkpoint_sha256"]
+    lines = (run_dir / "report" / "test.src").read_text().splitlines()
+    assert (run_dir / "report" / "student.out").read_text().splitlines() == Translator.load(
+        run_dir / "student-int8"
+    ).translate(lines)
+    assert not list(run_dir.glob(".*")) and not list((run_dir / "report").glob(".*"))
+    made = {path: path.stat().st_mtime_ns for path in [run_dir / "report.json", *(run_dir / "student-int8").iterdir()]}
+    said.clear()
+    pipeline.distill(longer, run_dir, progress=False, echo=said.append)
+    assert said[-2] == f"4/5 export: {run_dir / 'student-int8'} (exported before)"
+    assert said[-1] == f"5/5 report: {run_dir / 'report.json'} (made before, of this student and teacher)"
+    assert {path: path.stat().st_mtime_ns for path in made} == made
 
 
 @pytest.mark.parametrize(
