@@ -13,6 +13,7 @@ import typer
 
 from seq2seq.cli.app import ConfigArg, RunDirOption, SetOption, app, tokenizer_app
 from seq2seq.cli.boundary import Terminated, user_errors
+from seq2seq.errors import UserInputError
 
 
 def _run_dir(config_path: Path, run_dir: Path | None) -> Path:
@@ -69,6 +70,11 @@ def train(
     from seq2seq.training.run_dir import RunDir
     from seq2seq.training.trainer import Trainer
 
+    if resume is not None and run_dir is not None and resume.resolve() != run_dir.resolve():
+        raise UserInputError(
+            f"--resume {resume} and --run-dir {run_dir}: a resumed run continues in its own directory; "
+            "expected one of the two (--resume alone continues it, --run-dir alone starts a new run)"
+        )
     cfg = load_config(config, overrides or [])  # validated once here, before any process is launched
     directory = resume if resume is not None else _run_dir(config, run_dir)
     try:
@@ -148,7 +154,6 @@ def distill(
     from seq2seq.config_files import load_config
     from seq2seq.distillation.pipeline import distill as run_distillation
     from seq2seq.distillation.report import table
-    from seq2seq.errors import UserInputError
 
     cfg = load_config(config, overrides or [])
     if cfg.distill is None:

@@ -334,6 +334,10 @@ CASES = {
     "distill a config without a distill section": Case(
         lambda w: ["distill", w.config, "--run-dir", w.root / "dd"],
         lambda w: [str(w.config), "no distill section"], not_created=lambda w: [w.root / "dd"]),
+    "train --resume and --run-dir apart": Case(
+        lambda w: ["train", w.config, "--resume", w.run, "--run-dir", w.root / "elsewhere"],
+        lambda w: [f"--resume {w.run} and --run-dir {w.root / 'elsewhere'}", "expected one of the two"],
+        not_created=lambda w: [w.root / "elsewhere"]),
     "train --config, an argument given as an option": Case(
         lambda w: ["train", "--config", w.config, "--run-dir", w.root / "tc"],
         lambda w: ["No such option: --config", "CONFIG is an argument, given without a flag: ", " train CONFIG"],
