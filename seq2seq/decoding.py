@@ -42,17 +42,8 @@ def option(
     given pairs (score-pairs, /score, Translator.score) uses it, and so may set it; `engines`: those
     that honour it, and for the others `lacking` (what they have no way to do) and `used` (when a
     call relies on the option: from its settings and the keys the caller set)."""
-    return setting(
-        default,
-        help,
-        bound,
-        served_max=served_max,
-        served=served,
-        scoring=scoring,
-        engines=engines,
-        lacking=lacking,
-        used=used,
-    )
+    return setting(default, help, bound, served_max=served_max, served=served, scoring=scoring, engines=engines,
+                   lacking=lacking, used=used)  # fmt: skip
 
 
 def _sampling_with_epsilon(decode: DecodeConfig, given: Collection[str]) -> bool:
