@@ -144,7 +144,9 @@ def load_or_train_tokenizer(
     data_name: str = "the training data",
 ) -> Tokenizer:
     """Reuse the tokenizer saved in `directory` if it was trained with these settings on this data
-    (`data_identity`, recorded in TRAINED_ON next to it); else train one on `pairs` and save it there.
+    (`data_identity`, recorded in TRAINED_ON next to it); train one on `pairs` and save it there if
+    there is none. One trained otherwise is refused, never replaced: it may be what a user made with
+    `seq2seq tokenizer train` (hours, for a large corpus), and training on it would be wrong.
 
     `pairs` is consumed only when training, so a lazy stream of a large corpus costs nothing on reuse.
     A tokenizer saved before this record existed is reused as it is. `data_name` (the config key and
@@ -157,9 +159,10 @@ def load_or_train_tokenizer(
         recorded = _read_trained_on(directory)
         if recorded is None or recorded == trained_on:
             return Tokenizer.load(directory)
-        changed = [part for part in ("settings", "seed", "data") if recorded.get(part) != trained_on[part]]
-        log.warning(
-            "%s was trained on other %s; training a new tokenizer for this run", directory, " and ".join(changed)
+        raise UserInputError(
+            f"{directory}: trained on other settings ({'; '.join(_differences(recorded, trained_on))}); expected "
+            f"the tokenizer this config trains: start the run in a new --run-dir, or delete {directory} to "
+            "train it again"
         )
     tokenizer = train_tokenizer(config, pairs, seed=seed, data_name=data_name)
     tokenizer.save(directory)
@@ -171,6 +174,23 @@ def load_or_train_tokenizer(
         "trained tokenizer: %d source / %d target pieces%s", *sizes, fewer if min(sizes) < config.vocab_size else ""
     )
     return tokenizer
+
+
+def _differences(recorded: dict, wanted: dict) -> list[str]:
+    """What a saved tokenizer was trained on that this run's would not be, by config key."""
+    saved, settings = recorded.get("settings"), wanted["settings"]
+    found = [
+        f"tokenizer.{key} {saved.get(key)!r} there, {value!r} here"
+        for key, value in settings.items()
+        if isinstance(saved, dict) and saved.get(key) != value
+    ]
+    if not isinstance(saved, dict):
+        found.append("its tokenizer settings")
+    if recorded.get("seed") != wanted["seed"]:
+        found.append(f"train.seed {recorded.get('seed')!r} there, {wanted['seed']!r} here")
+    if recorded.get("data") != wanted["data"]:
+        found.append("other training data")
+    return found
 
 
 def _read_trained_on(directory: Path) -> dict | None:

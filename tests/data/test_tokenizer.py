@@ -5,9 +5,12 @@ from __future__ import annotations
 import logging
 import unicodedata
 
+import pytest
+
 from seq2seq.config import TokenizerConfig
 from seq2seq.data.special_tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from seq2seq.data.tokenizer import Tokenizer, load_or_train_tokenizer, train_tokenizer
+from seq2seq.errors import UserInputError
 from seq2seq.schema import section_problems
 
 
@@ -74,3 +77,17 @@ def test_a_vocabulary_smaller_than_asked_is_said(demo_pairs, tmp_path, caplog):
         "(tokenizer.vocab_size 50000: the training text supports no more)",
         "trained tokenizer: 100 source / 100 target pieces",
     ]
+
+
+def test_a_saved_tokenizer_is_reused_or_refused_but_never_replaced(demo_pairs, tmp_path):
+    """A run directory's tokenizer may be what `seq2seq tokenizer train` made, on purpose and at length:
+    a config that would train another one is refused, naming what differs, and the saved one stays."""
+    pairs, folder = demo_pairs["train"][:300], tmp_path / "tokenizer"
+    saved = load_or_train_tokenizer(folder, TokenizerConfig(vocab_size=100), pairs, seed=1)
+    made = {path.name: path.read_bytes() for path in folder.iterdir()}
+    unused = iter(())  # reusing it reads no data
+    assert load_or_train_tokenizer(folder, TokenizerConfig(vocab_size=100), unused, seed=1).protos() == saved.protos()
+    differences = r"\(tokenizer.vocab_size 100 there, 80 here; train.seed 1 there, 2 here\)"
+    with pytest.raises(UserInputError, match=rf"trained on other settings {differences}.* delete .*to train it again"):
+        load_or_train_tokenizer(folder, TokenizerConfig(vocab_size=80), pairs, seed=2)
+    assert {path.name: path.read_bytes() for path in folder.iterdir()} == made

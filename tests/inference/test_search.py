@@ -309,7 +309,7 @@ def test_scoring_a_search_output_gives_the_searchs_own_score(trained_checkpoint)
         settings = {"beam": 1, "max_len_a": 3.0 * (max_len_b > 4), "max_len_b": max_len_b}
         decode = translator.settings(**settings)
         outputs = [t.nbest[0] for t in translator.translate_nbest(lines, **settings)]
-        scored = translator.score(lines, [text for text, _ in outputs], **settings)
+        scored = translator.score(lines, [text for text, _ in outputs])  # a score reads no search setting
         limits = [decode.output_limit(len(ids)) for ids in translator.bundle.tokenizer.encode_src(lines)]
         for pair, (text, score), limit in zip(scored, outputs, limits):
             if text != " ".join(text.split()):
