@@ -1,7 +1,8 @@
-"""Reading a configuration: a YAML file (yaml.safe_load), `--set section.key=value` overrides (values
-parsed as YAML), the Python API's and the server's typed decode options. Every problem is collected
-and reported together, one line each, naming the file (or the --set flag) and the dotted key, so
-the user fixes everything in one edit; a config's local data files must exist.
+"""Reading a configuration: a YAML file (yaml.safe_load's loader, each key once), `--set
+section.key=value` overrides (values parsed as YAML), the Python API's and the server's typed
+decode options. Every problem is collected and reported together, one line each, naming the file
+(or the --set flag) and the dotted key, so the user fixes everything in one edit; a config's local
+data files must exist.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
     """Read, override and validate a YAML config; local data files must exist."""
     path = Path(path)
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        raw = _load_each_key_once(path.read_text(encoding="utf-8"), path)
     except FileNotFoundError:
         raise UserInputError(f"{path}: config file not found") from None
     except IsADirectoryError:
@@ -53,6 +54,42 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
     if missing:
         raise UserInputError("\n".join(missing))
     return config
+
+
+def _load_each_key_once(text: str, path: Path) -> Any:
+    """yaml.safe_load, refusing a key given twice in one mapping: PyYAML keeps the last one without a
+    word, so a second `train:` section dropped the whole first one, and a second `lr:` won unseen."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _refuse_repeated_keys(node, path, "")
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _refuse_repeated_keys(node: yaml.Node, path: Path, prefix: str) -> None:
+    """Walk the parsed document: a mapping's keys each once (a merge key, `<<`, may repeat what it
+    merges), naming a repeated one by its dotted key and both lines."""
+    if isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            _refuse_repeated_keys(item, path, f"{prefix.removesuffix('.')}[{index}].")
+    if not isinstance(node, yaml.MappingNode):
+        return
+    first_line: dict[str, int] = {}
+    for key, value in node.value:
+        if key.tag == "tag:yaml.org,2002:merge" or not isinstance(key, yaml.ScalarNode):
+            continue
+        line = key.start_mark.line + 1
+        if key.value in first_line:
+            raise UserInputError(
+                f"{path}:{line}: {prefix}{key.value}: given twice (first on line {first_line[key.value]}); "
+                "expected each key once (YAML would keep the last one and drop the first without a word)"
+            )
+        first_line[key.value] = line
+        _refuse_repeated_keys(value, path, f"{prefix}{key.value}.")
 
 
 def _data_path_problem(path: Path, *, folder_allowed: bool) -> str:

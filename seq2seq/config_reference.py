@@ -23,7 +23,8 @@ A config is a YAML file with the sections below (`configs/` holds runnable examp
 section.key=value` overrides one key from the command line with the same checks (values are YAML:
 `--set train.betas=[0.9,0.98]`; a corpus of `data.extra_train` by its index:
 `--set data.extra_train[0].weight=0.5`). Every problem is reported at once, one line each, naming
-the file (or the `--set` flag) and the dotted key. This page is written from the schema by `python -m
+the file (or the `--set` flag) and the dotted key; a key given twice in one section is refused
+(YAML itself would keep the last). This page is written from the schema by `python -m
 seq2seq.config_reference docs/configuration.md`; a test checks that it is current.
 """
 

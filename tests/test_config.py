@@ -126,6 +126,26 @@ def test_yaml_syntax_error_names_the_line(tmp_path):
     assert "not valid YAML" in error_of(path)
 
 
+def test_a_key_given_twice_is_named_with_both_lines(tmp_path, tiny_data):
+    """PyYAML keeps the last of two equal keys without a word: a second `lr` won unseen, and a second
+    list entry's repeated key (data.extra_train[0].src) dropped the first. A merge key may repeat
+    what it merges: that is YAML's way to override."""
+    text = yaml.safe_dump(tiny_config_dict(tiny_data))
+    twice = text.replace("\ntrain:\n", "\ntrain:\n  lr: 0.5\n  lr: 0.1\n", 1)
+    line = twice.splitlines().index("  lr: 0.1") + 1
+    assert error_of(write(tmp_path, twice)) == (
+        f"{tmp_path / 'c.yaml'}:{line}: train.lr: given twice (first on line {line - 1}); expected each key "
+        "once (YAML would keep the last one and drop the first without a word)"
+    )
+    listed = "data:\n  extra_train:\n  - {src: a.en, src: b.en}\n"
+    assert error_of(write(tmp_path, listed)).startswith(
+        f"{tmp_path / 'c.yaml'}:3: data.extra_train[0].src: given twice"
+    )
+    merged = text.replace("\ntrain:\n", "\ndefaults: &d {lr: 0.5}\ntrain:\n  <<: *d\n", 1)
+    merge_error = error_of(write(tmp_path, merged))  # refused for its unknown section alone
+    assert "defaults: unknown key" in merge_error and "given twice" not in merge_error
+
+
 def test_missing_config_file(tmp_path):
     assert error_of(tmp_path / "absent.yaml") == f"{tmp_path / 'absent.yaml'}: config file not found"
 

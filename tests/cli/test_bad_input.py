@@ -79,6 +79,14 @@ def _tsv_with_two_tabs(world: Paths) -> Path:
     return _config_with(world, "tsv", lambda raw: raw["data"].update(train={"format": "tsv", "path": str(path)}))
 
 
+def _config_with_a_second_train_section(world: Paths) -> Path:
+    """The config with `train:` again at its end: PyYAML keeps the last, dropping the first whole."""
+    path = world.root / "twice.yaml"
+    text = world.config.read_text()
+    path.write_text(text + "train:\n  max_steps: 5\n")
+    return path
+
+
 def _export_folder(world: Paths) -> Path:
     """A folder marked as written by `seq2seq export` (its metadata file is what marks it)."""
     folder = world.root / "marked-export"
@@ -244,6 +252,10 @@ CASES = {
                                            lambda w: ["data.train.src", "is a directory", str(w.folder)]),
     "train non-finite number": Case(lambda w: ["train", w.config, "--set", "train.lr=.inf"],
                                     lambda w: ["--set train.lr", "expected a finite number"]),
+    "train config with a section twice": Case(
+        lambda w: ["train", _config_with_a_second_train_section(w), "--run-dir", w.root / "r-twice"],
+        lambda w: [f"{w.root / 'twice.yaml'}:", ": train: given twice (first on line", "expected each key once"],
+        not_created=lambda w: [w.root / "r-twice"]),
     "train --set value not YAML": Case(lambda w: ["train", w.config, "--set", "train.lr=[1"],
                                        lambda w: ["--set train.lr=[1", "not valid YAML"]),
     "train tsv line with two tabs": Case(lambda w: ["train", _tsv_with_two_tabs(w), "--run-dir", w.root / "r-tsv"],
