@@ -167,7 +167,8 @@ def _convert(hint: Any, value: Any, key: str, errors: list[tuple[str, str]]) -> 
     elif hint is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
-        errors.append((key, f"expected a string, got {_describe(value)}"))
+        unquoted = " (YAML reads an unquoted yes, no, on, off, true or false as a boolean: quote the value, 'no')"
+        errors.append((key, f"expected a string, got {_describe(value)}{unquoted if isinstance(value, bool) else ''}"))
     else:  # pragma: no cover - a programming error in the schema, not user input
         raise TypeError(f"unsupported config type {hint} for {key}")
     return None

@@ -63,6 +63,13 @@ def test_unknown_section_lists_the_valid_ones(tmp_path, tiny_data):
         ("train", "precision", "fp8", "train.precision: expected one of auto, fp32, bf16, fp16; got 'fp8'"),
         ("decode", "nbest", 9, "decode.nbest: expected at most beam (2), got 9"),
         ("tokenizer", "joint", "yes", "tokenizer.joint: expected true or false, got 'yes'"),
+        (
+            "data",
+            "tgt_lang",
+            False,  # `tgt_lang: no` (Norwegian), as YAML reads it
+            "data.tgt_lang: expected a string, got False (YAML reads an unquoted yes, no, on, off, true or false "
+            "as a boolean: quote the value, 'no')",
+        ),
     ],
 )
 def test_bad_values_name_file_key_and_expectation(tmp_path, tiny_data, section, key, value, expected):
