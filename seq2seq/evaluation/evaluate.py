@@ -96,6 +96,8 @@ def evaluate_files(
             "src": str(src),
             "refs": [str(r) for r in refs],
             "beam": decode.beam,
+            "decode": dataclasses.asdict(decode),  # every setting the translations were made with
+            "shortlist": str(shortlist) if shortlist is not None else None,
         }
         write_text_atomic(json_path, json.dumps(report, indent=2) + "\n")
     return evaluation

@@ -362,9 +362,11 @@ def test_eval_prints_signatures_and_writes_json(trained_run, tmp_path):
     )
     shorter = invoke("eval", "-c", run_dir / "checkpoints" / "best.pt", "--src", data / "test.en", "--ref",
                      data / "test.xx", "--beam", "1", "--set", "decode.max_len_a=0", "--set", "decode.max_len_b=2",
-                     "--hyps", tmp_path / "short.txt")  # fmt: skip
+                     "--hyps", tmp_path / "short.txt", "--json", tmp_path / "short.json")  # fmt: skip
     assert shorter.exit_code == 0, shorter.output  # eval takes --set decode.KEY=VALUE, as translate does
     assert max(len(line.split()) for line in (tmp_path / "short.txt").read_text().splitlines()) <= 2
+    settings = json.loads((tmp_path / "short.json").read_text())["decode"]  # the report says how it translated
+    assert (settings["beam"], settings["max_len_a"], settings["max_len_b"]) == (1, 0.0, 2)
     assert bleu["signature"] in result.stdout
 
 
