@@ -8,7 +8,9 @@ in one command whose every stage resumes.
     RUN_DIR/report.json, report/  5. teacher and student on the test split, as users run them
 
 A stage whose output exists is not run again; each writes atomically, so a run killed in any stage
-and started again ends with what an uninterrupted run makes (tests/distillation).
+and started again ends with what an uninterrupted run makes (tests/distillation). The export and the
+report depend on the student, which a run started again with more updates trains on: each records
+the digest of the student it was made of, and is made again for another.
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ def _stages(
             max_bleu_drop=config.distill.max_bleu_drop,
             shortlist=shortlist,
         )
-        again = " (again: the student trained on since its export)" if exported_from is not None else ""
+        again = " (again: the export there was of another student)" if exported_from is not None else ""
         echo(f"4/5 export{again}: {_replace_export(shipped, export).describe()}")
     report_path = run_dir / "report.json"
     inputs = {"student_sha256": student_sha256, "teacher_targets": [str(corpus.tgt) for corpus in corpora]}

@@ -176,7 +176,7 @@ def test_a_student_trained_on_is_exported_and_reported_again(uninterrupted, stud
         exported["checkpoint_sha256"] == content_digest(student)
         and exported["step"] == Checkpoint.load(student).progress.step
     )
-    assert any(line.startswith("4/5 export (again: the student trained on since its export)") for line in said)
+    assert any(line.startswith("4/5 export (again: the export there was of another student)") for line in said)
     report = json.loads((run_dir / "report.json").read_text())
     assert report["student_sha256"] == exported["checkpoint_sha256"]
     lines = (run_dir / "report" / "test.src").read_text().splitlines()
