@@ -146,7 +146,7 @@ def load_or_train_tokenizer(
     """Reuse the tokenizer saved in `directory` if it was trained with these settings on this data
     (`data_identity`, recorded in TRAINED_ON next to it); train one on `pairs` and save it there if
     there is none. One trained otherwise is refused, never replaced: it may be what a user made with
-    `seq2seq tokenizer train` (hours, for a large corpus), and training on it would be wrong.
+    `seq2seq tokenizer train` (long work, on a large corpus), and training on it would be wrong.
 
     `pairs` is consumed only when training, so a lazy stream of a large corpus costs nothing on reuse.
     A tokenizer saved before this record existed is reused as it is. `data_name` (the config key and
