@@ -26,7 +26,7 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
     """Read, override and validate a YAML config; local data files must exist."""
     path = Path(path)
     try:
-        raw = _load_each_key_once(path.read_text(encoding="utf-8"), path)
+        raw = _load_each_key_once(path.read_text(encoding="utf-8"), str(path))
     except FileNotFoundError:
         raise UserInputError(f"{path}: config file not found") from None
     except IsADirectoryError:
@@ -56,40 +56,49 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
     return config
 
 
-def _load_each_key_once(text: str, path: Path) -> Any:
+def _load_each_key_once(text: str, where: str, *, prefix: str = "", in_a_file: bool = True) -> Any:
     """yaml.safe_load, refusing a key given twice in one mapping: PyYAML keeps the last one without a
-    word, so a second `train:` section dropped the whole first one, and a second `lr:` won unseen."""
+    word, so a second `train:` section dropped the whole first one, and a second `lr:` won unseen.
+    `where` names the text in the refusal: a file (`in_a_file`, named with the lines) or a --set
+    flag, whose value sits at `prefix`."""
     loader = yaml.SafeLoader(text)
     try:
         node = loader.get_single_node()
         if node is None:
             return None
-        _refuse_repeated_keys(node, path, "")
+        repeated = _repeated_key(node, prefix)
+        if repeated is not None:
+            key, line, first = repeated
+            lines = (f":{line}", f" (first on line {first})") if in_a_file else ("", "")
+            raise UserInputError(
+                f"{where}{lines[0]}: {key}: given twice{lines[1]}; expected each key once (YAML would keep "
+                "the last one and drop the first without a word)"
+            )
         return loader.construct_document(node)
     finally:
         loader.dispose()
 
 
-def _refuse_repeated_keys(node: yaml.Node, path: Path, prefix: str) -> None:
-    """Walk the parsed document: a mapping's keys each once (a merge key, `<<`, may repeat what it
-    merges), naming a repeated one by its dotted key and both lines."""
+def _repeated_key(node: yaml.Node, prefix: str) -> tuple[str, int, int] | None:
+    """The first key a mapping of the parsed document repeats (a merge key, `<<`, may repeat what it
+    merges), as its dotted key, its line and the line it was first given on."""
     if isinstance(node, yaml.SequenceNode):
         for index, item in enumerate(node.value):
-            _refuse_repeated_keys(item, path, f"{prefix.removesuffix('.')}[{index}].")
+            if found := _repeated_key(item, f"{prefix.removesuffix('.')}[{index}]."):
+                return found
     if not isinstance(node, yaml.MappingNode):
-        return
+        return None
     first_line: dict[str, int] = {}
     for key, value in node.value:
         if key.tag == "tag:yaml.org,2002:merge" or not isinstance(key, yaml.ScalarNode):
             continue
         line = key.start_mark.line + 1
         if key.value in first_line:
-            raise UserInputError(
-                f"{path}:{line}: {prefix}{key.value}: given twice (first on line {first_line[key.value]}); "
-                "expected each key once (YAML would keep the last one and drop the first without a word)"
-            )
+            return f"{prefix}{key.value}", line, first_line[key.value]
         first_line[key.value] = line
-        _refuse_repeated_keys(value, path, f"{prefix}{key.value}.")
+        if found := _repeated_key(value, f"{prefix}{key.value}."):
+            return found
+    return None
 
 
 def _data_path_problem(path: Path, *, folder_allowed: bool) -> str:
@@ -144,7 +153,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> Overridden:
                 overridden.sections.setdefault(".".join(parents[:depth]), flag)
             node = _section(node, part, item)
         try:
-            node[leaf] = yaml.safe_load(text)
+            node[leaf] = _load_each_key_once(text, flag, prefix=f"{key}.", in_a_file=False)
         except yaml.YAMLError as error:
             problem = getattr(error, "problem", None) or "not valid YAML"
             raise UserInputError(f"--set {item}: the value is not valid YAML ({problem})") from None

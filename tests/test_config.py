@@ -148,6 +148,8 @@ def test_a_key_given_twice_is_named_with_both_lines(tmp_path, tiny_data):
     assert error_of(write(tmp_path, listed)).startswith(
         f"{tmp_path / 'c.yaml'}:3: data.extra_train[0].src: given twice"
     )
+    given = error_of(write(tmp_path, text), ["data.extra_train=[{src: a.en, src: b.en}]"])
+    assert given.startswith("--set data.extra_train: data.extra_train[0].src: given twice; expected each key once")
     merged = text.replace("\ntrain:\n", "\ndefaults: &d {lr: 0.5}\ntrain:\n  <<: *d\n", 1)
     merge_error = error_of(write(tmp_path, merged))  # refused for its unknown section alone
     assert "defaults: unknown key" in merge_error and "given twice" not in merge_error
