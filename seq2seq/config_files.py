@@ -242,4 +242,19 @@ def _problem_line(key: str, message: str, origin: str, overridden: Overridden) -
     owners.update({section: flag for section, flag in made if key == section or key.startswith(section + ".")})
     if owners:
         return f"{owners[max(owners, key=len)]}: {key}: {message}"
-    return f"{origin}: {key}: {message}"
+    partners = _partner_flags(key, message, overridden)
+    return f"{origin}{''.join(f' and {flag}' for flag in partners)}: {key}: {message}"
+
+
+def _partner_flags(key: str, message: str, overridden: Overridden) -> list[str]:
+    """The flags that set the other side of a rule between keys (`--set model.heads=3` against the
+    file's d_model): a rule's problem names one key, and its message the other, by its name in the
+    same section (`a multiple of heads`) or by its dotted name (`needs tokenizer.joint`)."""
+    section = key.rpartition(".")[0]
+    return [
+        flag
+        for given, flag in overridden.keys.items()
+        if given in message
+        or given.rpartition(".")[0] == section
+        and re.search(rf"\b{re.escape(given.rpartition('.')[2])}\b", message)
+    ]

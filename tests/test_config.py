@@ -127,6 +127,21 @@ def test_shared_embeddings_need_a_joint_vocabulary(tmp_path, tiny_data):
     assert "model.share_embeddings: needs tokenizer.joint: true" in error_of(write(tmp_path, raw))
 
 
+def test_a_rule_between_keys_names_the_flag_that_set_the_other_side(tmp_path, tiny_data):
+    """A rule's problem names one key: where a --set changed the other, the line names that flag with
+    the file, not the file alone (which never asked for 5 heads)."""
+    path = write(tmp_path, tiny_config_dict(tiny_data))
+    assert error_of(path, ["model.heads=5"]) == (
+        f"{path} and --set model.heads: model.d_model: expected a multiple of heads (5), got 96"
+    )
+    raw = tiny_config_dict(tiny_data)
+    raw["model"]["share_embeddings"] = True
+    path = write(tmp_path, raw)
+    assert error_of(path, ["tokenizer.joint=false", "train.lr=0.002"]) == (
+        f"{path} and --set tokenizer.joint: model.share_embeddings: needs tokenizer.joint: true (one vocabulary)"
+    )
+
+
 def test_yaml_syntax_error_names_the_line(tmp_path):
     path = write(tmp_path, "data:\n  train: [unclosed\nmodel: {}\n")
     assert error_of(path).startswith(f"{path}:")
@@ -294,14 +309,15 @@ def test_a_set_names_a_section_of_a_list_by_its_index(tmp_path, tiny_data):
 
 def test_a_problem_inside_a_section_set_whole_names_the_set_flag(tmp_path, tiny_data):
     """--set data.extra_train=[...] gives the whole list: a problem inside it is the flag's, named with
-    the key inside (the file never said it); a key the flag did not reach stays the file's."""
+    the key inside (the file never said it); a key the flag did not reach stays the file's, with the
+    flag named beside it where the flag set the other side of the rule (the format that needs a path)."""
     path = write(tmp_path, tiny_config_dict(tiny_data))
     assert error_of(path, ["data.extra_train=[foo]"]) == (
         "--set data.extra_train: data.extra_train[0]: expected a mapping, got 'foo'"
     )
     needs_path = "data.train.path: format 'tsv' needs 'path'"
     assert error_of(path, ["data.train={format: tsv}"]) == f"--set data.train: {needs_path}"
-    assert error_of(path, ["data.train.format=tsv"]) == f"{path}: {needs_path}"
+    assert error_of(path, ["data.train.format=tsv"]) == f"{path} and --set data.train.format: {needs_path}"
 
 
 def test_a_problem_with_a_section_a_set_made_names_the_set_flag(tmp_path, tiny_data):
