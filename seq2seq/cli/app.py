@@ -47,12 +47,15 @@ def shortlist_option(help: str):
     return Annotated[Optional[Path], typer.Option("--shortlist", help=help, show_default=False)]  # noqa: UP045
 
 
-DEVICES = ("cpu", "cuda")
-
-
 def _known_device(value: str | None) -> str | None:
-    if value is not None and value not in DEVICES:
-        raise typer.BadParameter(f"{value!r}: expected one of {', '.join(DEVICES)}")
+    from seq2seq.errors import UserInputError
+    from seq2seq.inference.devices import Device
+
+    if value is not None:
+        try:
+            Device.parse(value)
+        except UserInputError as error:
+            raise typer.BadParameter(str(error)) from None
     return value
 
 
@@ -61,7 +64,8 @@ DeviceOption = Annotated[
     typer.Option(
         "--device",
         callback=_known_device,
-        help="Where the model runs [default: a checkpoint on the GPU where torch sees one, an export on the CPU].",
+        help="Where the model runs: cpu, cuda or cuda:N (the GPU of index N) [default: a checkpoint on the GPU "
+        "where torch sees one, an export on the CPU].",
         show_default=False,
     ),
 ]

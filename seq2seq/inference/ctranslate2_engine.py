@@ -39,6 +39,7 @@ from seq2seq.data.sources import normalize
 from seq2seq.data.special_tokens import NEVER_EMITTED
 from seq2seq.decoding import DecodeConfig, guidance_limit
 from seq2seq.errors import UserInputError
+from seq2seq.inference.devices import ctranslate2_placement
 from seq2seq.inference.engine import (
     EXPORT_METADATA,
     DeadlinePassed,
@@ -96,8 +97,9 @@ def load_exported(directory: Path, *, device: str | None = None) -> tuple[Decode
         raise UserInputError(f"{directory / EXPORT_METADATA}: lacks {', '.join(missing)}; re-export the checkpoint")
     config = config_from_dict(metadata["config"], origin=f"{directory} (stored config)")
     try:
-        with gpu_failures_named(device or "cpu"):
-            runtime = ctranslate2.Translator(str(directory), device=device or "cpu", **_threads(device or "cpu"))
+        placement = ctranslate2_placement(device, ctranslate2.get_cuda_device_count())
+        with gpu_failures_named(placement["device"]):
+            runtime = ctranslate2.Translator(str(directory), **placement, **_threads(placement["device"]))
         models = metadata["tokenizer"]  # {"src": file, "tgt": file}
         src = spm.SentencePieceProcessor(model_file=str(directory / models["src"]))
         tgt = spm.SentencePieceProcessor(model_file=str(directory / models["tgt"]))

@@ -22,6 +22,7 @@ from seq2seq.data.sources import normalize
 from seq2seq.decoding import DecodeConfig, refusals, scoring_options, unused_by_scoring
 from seq2seq.errors import UserInputError
 from seq2seq.inference.admission import LinePlan, Names, plan_scoring, plan_translation, unspellable
+from seq2seq.inference.devices import torch_device
 from seq2seq.inference.engine import EXPORT_METADATA, Engine, LinesDone, PairScore, Translation
 from seq2seq.inference.glossary import Glossary, merged_constraints
 
@@ -80,7 +81,7 @@ class Translator:
         from seq2seq.checkpoint import load_for_inference
 
         lists = _read_shortlist(shortlist)  # a bad file is named before the model loads
-        bundle = load_for_inference(path, _torch_device(device))
+        bundle = load_for_inference(path, torch_device(device))
         return cls.from_model(
             bundle.model, bundle.tokenizer, bundle.config.decode, bundle=bundle, shortlist=_for(lists, bundle.tokenizer)
         )
@@ -103,7 +104,7 @@ class Translator:
                     "share the source and target SentencePiece models"
                 )
         lists = _for(_read_shortlist(shortlist), checkpoints[0].tokenizer)
-        ensemble = Ensemble([checkpoint.build_model(_torch_device(device)) for checkpoint in checkpoints])
+        ensemble = Ensemble([checkpoint.build_model(torch_device(device)) for checkpoint in checkpoints])
         return cls.from_model(ensemble, checkpoints[0].tokenizer, checkpoints[0].config.decode, shortlist=lists)
 
     @classmethod
@@ -315,17 +316,6 @@ def _nested_text_lists(constraints: Iterable[Iterable[str]] | None) -> list[list
     if constraints is None:
         return None
     return [_text_list(terms, f"constraints[{index}]") for index, terms in enumerate(constraints)]
-
-
-def _torch_device(device: str | None) -> str:
-    """Where a checkpoint runs: the device asked for, else the GPU where torch sees one."""
-    import torch
-
-    if device is None:
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise UserInputError(f"device {device}: torch sees no CUDA GPU here; expected cpu")
-    return device
 
 
 def _read_shortlist(path: str | Path | None):

@@ -517,8 +517,10 @@ def test_a_device_that_is_not_here_or_not_a_device_is_one_line(trained_run, tmp_
         ["serve", checkpoint, "--port", str(free_port())],
     ):
         assert_user_error(invoke(*command, "--device", "cuda"), "device cuda: torch sees no CUDA GPU here")
-    result = invoke("translate", "-c", checkpoint, "-i", src, "--device", "tpu")
-    assert result.exit_code == 2 and "'tpu': expected one of cpu, cuda" in result.stderr
+    assert_user_error(invoke("translate", "-c", checkpoint, "-i", src, "--device", "cuda:1"), "device cuda:1: torch")
+    for name in ("tpu", "cuda:x", "cpu:0", "cuda:-1", "gpu"):
+        result = invoke("translate", "-c", checkpoint, "-i", src, "--device", name)
+        assert result.exit_code == 2 and f"device '{name}': expected cpu, cuda or cuda:N" in result.stderr, name
     assert invoke("translate", "-c", checkpoint, "-i", src, "--device", "cpu").exit_code == 0
 
 

@@ -276,12 +276,22 @@ def test_an_export_translates_on_the_gpu_as_on_the_cpu(exported_directory, train
     src = tmp_path / "src.en"
     src.write_text("\n".join(lines) + "\n")
     outputs = {}
-    for device in ("cpu", "cuda"):
+    for device in ("cpu", "cuda", "cuda:0"):
         result = invoke("translate", "-c", exported_directory, "-i", src, "-o", tmp_path / device, "--device", device)
         assert result.exit_code == 0, result.output
         outputs[device] = (tmp_path / device).read_text(encoding="utf-8").splitlines()
-    assert len(outputs["cuda"]) == len(lines)
+    assert len(outputs["cuda"]) == len(lines) and outputs["cuda:0"] == outputs["cuda"]
     assert sum(a == b for a, b in zip(outputs["cpu"], outputs["cuda"])) >= 0.95 * len(lines)
+
+
+@pytest.mark.skipif(ctranslate2.get_cuda_device_count() > 0, reason="the case of a machine without a GPU")
+def test_a_gpu_by_index_where_ctranslate2_sees_none_is_one_line(exported_directory, tmp_path):
+    """`--device cuda:1` reaches CTranslate2 as device_index 1, which fails for want of a GPU: the one
+    line says so, as for `--device cuda`."""
+    src = tmp_path / "src.en"
+    src.write_text("the cat sleeps\n")
+    result = invoke("translate", "-c", exported_directory, "-i", src, "--device", "cuda:1")
+    assert result.exit_code == 2 and "CTranslate2 cannot use the GPU here" in result.stderr, result.output
 
 
 class TranslatorWithoutCublas:
