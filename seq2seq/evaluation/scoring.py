@@ -37,6 +37,9 @@ class ScoreOptions:
             raise UserInputError(
                 f"--metrics: {', '.join(unknown) or 'none given'}; expected some of {', '.join(METRICS)}"
             )
+        repeated = sorted({name for name in self.metrics if self.metrics.count(name) > 1})
+        if repeated:  # a report would hold the score twice under one name: a slip for another metric
+            raise UserInputError(f"--metrics: {', '.join(repeated)} given twice; expected each metric once")
         if self.tokenize is not None and self.tokenize not in BLEU_TOKENIZERS:
             raise UserInputError(f"--tokenize: {self.tokenize!r}; expected one of {', '.join(BLEU_TOKENIZERS)}")
 

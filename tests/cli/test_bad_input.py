@@ -236,6 +236,9 @@ CASES = {
     "score --metrics unknown": Case(
         lambda w: ["score", "--hyp", w.data / "test.xx", "--ref", w.data / "test.xx", "--metrics", "bleu,meteor"],
         lambda w: ["--metrics", "meteor", "expected some of bleu, chrf, chrf++, ter"]),
+    "score --metrics repeated": Case(
+        lambda w: ["score", "--hyp", w.data / "test.xx", "--ref", w.data / "test.xx", "--metrics", "bleu,chrf,BLEU"],
+        lambda w: ["--metrics: bleu given twice"]),
     "score --tokenize unknown": Case(
         lambda w: ["score", "--hyp", w.data / "test.xx", "--ref", w.data / "test.xx", "--tokenize", "moses"],
         lambda w: ["--tokenize", "'moses'", "expected one of"]),

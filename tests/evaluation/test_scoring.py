@@ -93,6 +93,7 @@ def test_files_are_read_as_sacrebleu_reads_them(tmp_path: Path):
     [
         (dict(metrics=("bleu", "meteor")), "--metrics: meteor; expected some of bleu, chrf, chrf++, ter"),
         (dict(metrics=()), "--metrics: none given"),
+        (dict(metrics=("bleu", "chrf", "bleu")), "--metrics: bleu given twice; expected each metric once"),
         (dict(tokenize="moses"), "--tokenize: 'moses'; expected one of"),
     ],
 )
