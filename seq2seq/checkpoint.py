@@ -10,6 +10,7 @@ This module also owns the checkpoint files of a run: numbered ones, `last.pt`, t
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import pickle
 from dataclasses import dataclass, field
@@ -239,40 +240,56 @@ def _link_latest(path: Path, latest: Path) -> None:
     os.replace(tmp, latest)
 
 
-def _check_each_once(paths: list[Path], checkpoints: list[Checkpoint]) -> None:
-    """Refuses a set of weights given twice: last.pt and best.pt repeat a numbered checkpoint, so
-    `average checkpoints/*.pt` would weigh those steps double and say nothing."""
-    for index, (path, checkpoint) in enumerate(zip(paths, checkpoints)):
-        for earlier_path, earlier in zip(paths[:index], checkpoints[:index]):
-            same_step = checkpoint.progress.step == earlier.progress.step
-            if same_step and all(torch.equal(tensor, earlier.model[name]) for name, tensor in checkpoint.model.items()):
-                raise UserInputError(
-                    f"{path}: the same weights as {earlier_path} (step {checkpoint.progress.step}); expected each "
-                    "checkpoint once (last.pt and best.pt repeat a numbered one)"
-                )
+def _weights_digest(checkpoint: Checkpoint) -> str:
+    """The step and every weight's bytes as a sha256: what tells that two files hold one save."""
+    digest = hashlib.sha256(str(checkpoint.progress.step).encode())
+    for name in sorted(checkpoint.model):
+        digest.update(name.encode())
+        digest.update(checkpoint.model[name].contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _check_same_run(first: Checkpoint, first_path: Path, checkpoint: Checkpoint, path: Path) -> None:
+    same_text = bool(first.train_data) and checkpoint.train_data == first.train_data
+    differing = run_defining_differences(first.config, checkpoint.config, text_compared=same_text)
+    if differing:
+        raise UserInputError(
+            f"{path}: {', '.join(differing)} differ from {first_path}'s; average checkpoints "
+            "of one run (same data, tokenizer and model)"
+        )
+    if checkpoint.tokenizer.protos() != first.tokenizer.protos():
+        raise UserInputError(f"{path}: its tokenizer differs from {first_path}'s; average checkpoints of one run")
+    if set(checkpoint.model) != set(first.model):
+        raise UserInputError(f"{path}: its parameters differ from {first_path}'s; average checkpoints of one run")
 
 
 def average_checkpoints(paths: list[Path], output: Path) -> None:
-    """Mean of the model parameters of checkpoints of one run; the rest is taken from the last one."""
+    """Mean of the model parameters of checkpoints of one run; the rest is taken from the last one.
+
+    One checkpoint is held at a time, beside the running sum (float64): ten saves of a large model,
+    each with its optimizer's state, need not fit in memory together. The same weights given twice
+    are refused (last.pt and best.pt repeat a numbered checkpoint, so `average checkpoints/*.pt`
+    would weigh those steps double and say nothing)."""
     check_writable(output, what="output checkpoint")
-    checkpoints = [Checkpoint.load(path) for path in paths]
-    first = checkpoints[0]
-    for path, checkpoint in zip(paths[1:], checkpoints[1:]):
-        same_text = bool(first.train_data) and checkpoint.train_data == first.train_data
-        differing = run_defining_differences(first.config, checkpoint.config, text_compared=same_text)
-        if differing:
+    sums: dict[str, Tensor] = {}
+    seen: dict[str, Path] = {}
+    for index, path in enumerate(paths):
+        checkpoint = Checkpoint.load(path)
+        if index == 0:  # what the others must match, without its weights and optimizer state
+            reference = dataclasses.replace(checkpoint, optimizer={}, model=dict.fromkeys(checkpoint.model))
+            sums = {name: torch.zeros_like(tensor, dtype=torch.float64) for name, tensor in checkpoint.model.items()}
+        else:
+            _check_same_run(reference, paths[0], checkpoint, path)
+        digest = _weights_digest(checkpoint)
+        if digest in seen:
             raise UserInputError(
-                f"{path}: {', '.join(differing)} differ from {paths[0]}'s; average checkpoints "
-                "of one run (same data, tokenizer and model)"
+                f"{path}: the same weights as {seen[digest]} (step {checkpoint.progress.step}); expected each "
+                "checkpoint once (last.pt and best.pt repeat a numbered one)"
             )
-        if checkpoint.tokenizer.protos() != first.tokenizer.protos():
-            raise UserInputError(f"{path}: its tokenizer differs from {paths[0]}'s; average checkpoints of one run")
-        if set(checkpoint.model) != set(first.model):
-            raise UserInputError(f"{path}: its parameters differ from {paths[0]}'s; average checkpoints of one run")
-    _check_each_once(paths, checkpoints)
-    names = set(first.model)
-    averaged = {
-        name: torch.stack([c.model[name].float() for c in checkpoints]).mean(0).to(checkpoints[0].model[name].dtype)
-        for name in names
-    }
-    dataclasses.replace(checkpoints[-1], model=averaged, averaged_from=[str(p) for p in paths], ema={}).save(output)
+        seen[digest] = path
+        for name, tensor in checkpoint.model.items():
+            sums[name] += tensor
+        if index < len(paths) - 1:
+            del checkpoint  # before the next one loads
+    averaged = {name: (total / len(paths)).to(checkpoint.model[name].dtype) for name, total in sums.items()}
+    dataclasses.replace(checkpoint, model=averaged, averaged_from=[str(p) for p in paths], ema={}).save(output)

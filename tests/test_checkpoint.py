@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
+import weakref
 from pathlib import Path
 
 import pytest
@@ -97,6 +99,30 @@ def test_average_of_checkpoints_is_the_parameter_mean(tmp_path, two_checkpoints)
     assert averaged.averaged_from == [str(first), str(second)]
     assert dataclasses.replace(averaged.progress) == Checkpoint.load(second).progress
     load_for_inference(tmp_path / "avg.pt")  # still a complete checkpoint
+
+
+def test_averaging_holds_one_checkpoint_at_a_time(tmp_path, tiny_data, monkeypatch):
+    """Ten saves of a large model with their optimizer states need not fit in memory together
+    (fairseq's script streams them too): when each checkpoint loads, no earlier one is still held."""
+    make_trainer(tmp_path, tiny_data, max_steps=3, save_every=1, valid_every=100, keep_last=5).run()
+    paths = sorted((tmp_path / "run" / "checkpoints").glob("step_*.pt"))
+    models = [Checkpoint.load(path).model for path in paths]
+    loaded, held_at_each_load, real_load = [], [], Checkpoint.load
+
+    def load_and_track(path):
+        gc.collect()
+        held_at_each_load.append(sum(ref() is not None for ref in loaded))
+        checkpoint = real_load(path)
+        loaded.append(weakref.ref(checkpoint))
+        return checkpoint
+
+    monkeypatch.setattr(Checkpoint, "load", load_and_track)
+    average_checkpoints(paths, tmp_path / "avg.pt")
+    monkeypatch.undo()
+    assert held_at_each_load == [0, 0, 0]
+    averaged = Checkpoint.load(tmp_path / "avg.pt").model
+    for name in averaged:
+        torch.testing.assert_close(averaged[name], sum(model[name] for model in models) / 3)
 
 
 def test_averaging_accepts_moved_data_that_holds_the_same_pairs_only(tmp_path, two_checkpoints):
