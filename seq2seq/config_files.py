@@ -45,14 +45,13 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
     config = _build_checked(raw, origin=str(path), overridden=overridden)
     corpora = [*config.data.training_corpora(), ("data.valid", config.data.valid), ("data.test", config.data.test)]
     missing = [
-        f"{path}: {where}.{key}: {problem}: {file}"
+        (f"{where}.{key}", f"{problem}: {file}")
         for where, corpus in corpora
         if corpus is not None
         for key, file in corpus.files().items()
         if (problem := _data_path_problem(Path(file), folder_allowed=corpus.format == "hf"))
     ]
-    if missing:
-        raise UserInputError("\n".join(missing))
+    _raise_problems(missing, origin=str(path), overridden=overridden)  # a file given by --set names its flag
     return config
 
 

@@ -486,7 +486,7 @@ def test_missing_config_file_exits_2():
     [
         ("model.d_model=wide", ["--set model.d_model", "expected an integer, got 'wide'"]),
         ("model.activation=tanh", ["--set model.activation", "expected one of relu, gelu; got 'tanh'"]),
-        ("data.train.src=/no/such/file.en", ["data.train.src: file not found: /no/such/file.en"]),
+        ("data.train.src=/no/such/file.en", ["--set data.train.src: file not found: /no/such/file.en"]),
         pytest.param(
             "train.precision=fp16",
             ["train.precision: fp16 needs a CUDA GPU"],
