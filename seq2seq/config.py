@@ -23,9 +23,11 @@ class CorpusConfig:
         "text: two parallel files; tsv: source<TAB>target lines; jsonl: one object per line; hf: a "
         "HuggingFace dataset (hub or local)",
     )
-    src: str | None = setting(None, "text: the source-side file, one sentence per line (optionally .gz)")
-    tgt: str | None = setting(None, "text: the target-side file")
-    path: str | None = setting(None, "tsv/jsonl: the file; hf: a save_to_disk folder or a parquet/arrow/json/csv file")
+    src: str | None = setting(None, "text: the source-side file, one sentence per line (optionally .gz)", path=True)
+    tgt: str | None = setting(None, "text: the target-side file", path=True)
+    path: str | None = setting(
+        None, "tsv/jsonl: the file; hf: a save_to_disk folder or a parquet/arrow/json/csv file", path=True
+    )
     src_field: str = setting("src", "jsonl, hf with flat columns: the source field")
     tgt_field: str = setting("tgt", "jsonl, hf with flat columns: the target field")
     name: str | None = setting(None, "hf: a hub dataset name, e.g. wmt14")
@@ -84,6 +86,7 @@ class DataConfig:
         ".cache/seq2seq",
         "encoded training ids are kept here for later and resumed runs, keyed by the data files (or "
         'their text, once moved or converted), the tokenizer and the filters; "" disables',
+        path=True,
     )
     # subword regularisation (Kudo 2018; BPE-dropout, Provilkov et al. 2020): the training split encoded
     # `subword_variants` times with SentencePiece sampling, one segmentation per epoch, in turn
@@ -224,6 +227,7 @@ class TrainConfig:
         "fine-tuning: a checkpoint (.pt) or run directory whose weights and tokenizer a new run starts from; "
         "the optimizer, schedule and step count start afresh (the model and tokenizer sections must match "
         "its own, but for dropout rates)",
+        path=True,
     )
     threads: int = setting(0, "torch CPU threads (0: torch's default)", NOT_NEGATIVE)
     device: Literal["auto", "cpu", "cuda"] = setting(
@@ -295,7 +299,8 @@ class DistillConfig:
     sections) learns from its outputs, and ships small: a shortlist, a quantized export."""
 
     teacher: tuple[str, ...] = setting((), "the teacher: a list of checkpoints (.pt or run directories; several "
-                                           "translate as an ensemble), or one exported directory")  # fmt: skip
+                                           "translate as an ensemble), or one exported directory",
+                                           path=True)  # fmt: skip
     beam: int = setting(5, "the teacher's beam", AT_LEAST_ONE)
     nbest: int = setting(1, "targets per source: the teacher's n best (or n draws), each a training pair", AT_LEAST_ONE)
     sample: bool = setting(False, "targets drawn from the teacher (its decode section's top_k/top_p) instead of beam")

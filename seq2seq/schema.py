@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import re
 import types
 import typing
@@ -111,12 +112,25 @@ def build_dataclass(cls: type, raw: Any, prefix: str, errors: list[tuple[str, st
     for name, f in fields.items():
         if name in raw:
             values[name] = _convert(hints[name], raw[name], f"{prefix}{name}", errors)
+            if f.metadata.get("path"):
+                values[name] = _home_expanded(values[name])
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             errors.append((f"{prefix}{name}", "required key is missing"))
     try:
         return cls(**values)
     except TypeError:  # a required key was missing; already reported
         return None
+
+
+def _home_expanded(value: Any) -> Any:
+    """A path setting (declared `path=True`) with a leading ~ or ~user made the home folder, as a shell
+    would: `--set data.train.src=~/corpus/train.en` reaches us unexpanded (the ~ is not at the start
+    of the shell's word), and so does every path in a YAML file."""
+    if isinstance(value, str):
+        return os.path.expanduser(value)
+    if isinstance(value, tuple):
+        return tuple(_home_expanded(item) for item in value)
+    return value
 
 
 _FLOAT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")

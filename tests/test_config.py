@@ -96,6 +96,28 @@ def test_missing_data_file_is_named(tmp_path, tiny_data):
     assert error_of(path) == f"{path}: data.valid.tgt: file not found: {tmp_path / 'nope.xx'}"
 
 
+def test_a_missing_file_given_by_set_names_the_flag_not_the_config(tmp_path, tiny_data):
+    path = write(tmp_path, tiny_config_dict(tiny_data))
+    with pytest.raises(UserInputError) as caught:
+        load_config(path, [f"data.valid.tgt={tmp_path / 'nope.xx'}"])
+    assert str(caught.value) == f"--set data.valid.tgt: file not found: {tmp_path / 'nope.xx'}"
+
+
+def test_paths_that_start_with_a_tilde_are_in_the_home_folder(tmp_path, tiny_data, monkeypatch):
+    """As a shell expands ~ at the start of a word: a YAML file's paths, and a --set value (whose ~
+    the shell leaves, not being at the start of the word), name files under $HOME."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "corpus").mkdir()
+    for side in ("en", "xx"):
+        (tmp_path / "corpus" / f"valid.{side}").write_bytes((tiny_data / f"valid.{side}").read_bytes())
+    raw = tiny_config_dict(tiny_data)
+    raw["data"]["valid"] = {"format": "text", "src": "~/corpus/valid.en", "tgt": str(tiny_data / "valid.xx")}
+    config = load_config(write(tmp_path, raw), ["data.valid.tgt=~/corpus/valid.xx", "train.init_from=~/runs/a"])
+    assert config.data.valid.src == str(tmp_path / "corpus" / "valid.en")
+    assert config.data.valid.tgt == str(tmp_path / "corpus" / "valid.xx")
+    assert config.train.init_from == str(tmp_path / "runs" / "a")
+
+
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="named pipes are POSIX")
 def test_a_pipe_as_training_data_is_refused_before_it_is_read(tmp_path, tiny_data):
     """Training reads its data more than once (the tokenizer, the encoding): a pipe's second read hung
