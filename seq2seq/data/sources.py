@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
 from seq2seq.config import CorpusConfig
+from seq2seq.data.hub import offline_unless_reachable
 from seq2seq.errors import UserInputError
 
 T = TypeVar("T")
@@ -260,6 +261,7 @@ def _load_hf(corpus: CorpusConfig, key: str):
             )
         return loaded[split()]
 
+    unreachable = None
     try:
         if corpus.path and Path(corpus.path).is_dir():
             return one_split(datasets.load_from_disk(corpus.path), corpus.path)
@@ -272,9 +274,16 @@ def _load_hf(corpus: CorpusConfig, key: str):
                 )
             return datasets.load_dataset(builder, data_files=corpus.path, split="train")
         name = corpus.name + (f" ({corpus.subset})" if corpus.subset else "")
-        return one_split(datasets.load_dataset(corpus.name, corpus.subset), name)  # every split is prepared anyway
+        with offline_unless_reachable(name) as unreachable:
+            return one_split(datasets.load_dataset(corpus.name, corpus.subset), name)  # every split is prepared anyway
     except UserInputError:
         raise
     except Exception as exc:  # datasets raises many types (network, missing config, bad split)
+        if unreachable is not None:
+            raise UserInputError(
+                f"{key}.name: {corpus.name}: the HuggingFace hub cannot be reached from here ({unreachable}) and "
+                "the dataset is not in the local cache; download it once where the hub is reachable (it is "
+                f"cached under ~/.cache/huggingface), or give a local copy as {key}.path"
+            ) from None
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UserInputError(f"{key}: could not load the dataset: {first_line}") from None
