@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 import socket
+import urllib.request
 from collections.abc import Iterator
 from urllib.parse import urlsplit
 
@@ -23,15 +24,22 @@ CONNECT_TIMEOUT_S = 3.0  # a reachable hub answers in well under a second; a fir
 
 
 def hub_unreachable() -> str | None:
-    """Why the hub cannot be reached from here (its host and the socket's error), or None when it can."""
+    """Why the hub cannot be reached from here (the host tried and the socket's error), or None when
+    it can. Behind a proxy (HTTPS_PROXY, unless NO_PROXY exempts the hub), the proxy is what must
+    answer: a network that lets nothing else out still reaches the hub through it."""
     import huggingface_hub.constants
 
-    address = urlsplit(huggingface_hub.constants.ENDPOINT)
+    hub = urlsplit(huggingface_hub.constants.ENDPOINT)
+    proxy = None if urllib.request.proxy_bypass(hub.hostname) else urllib.request.getproxies().get(hub.scheme)
+    if proxy and "://" not in proxy:
+        proxy = f"http://{proxy}"  # HTTPS_PROXY=host:port, as curl takes it
+    address = urlsplit(proxy) if proxy else hub
     port = address.port or (443 if address.scheme == "https" else 80)
     try:
         socket.create_connection((address.hostname, port), timeout=CONNECT_TIMEOUT_S).close()
     except OSError as error:
-        return f"{address.hostname}: {error.strerror or error}"
+        through = f" (the proxy for {hub.hostname})" if proxy else ""
+        return f"{address.hostname}{through}: {error.strerror or error}"
     return None
 
 

@@ -33,6 +33,23 @@ def test_the_hub_is_reachable_when_it_accepts_a_connection(monkeypatch, closed_p
     assert hub_unreachable() == "127.0.0.1: Connection refused"
 
 
+def test_behind_a_proxy_the_proxy_is_what_must_answer(monkeypatch, closed_port):
+    """A network that lets nothing out but through its proxy still reaches the hub; NO_PROXY exempts it."""
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", f"https://127.0.0.2:{closed_port}")
+    for variable in ("NO_PROXY", "no_proxy", "https_proxy"):
+        monkeypatch.delenv(variable, raising=False)
+    with socket.socket() as proxy:
+        proxy.bind(("127.0.0.1", 0))
+        proxy.listen()
+        monkeypatch.setenv("HTTPS_PROXY", f"127.0.0.1:{proxy.getsockname()[1]}")
+        assert hub_unreachable() is None
+        monkeypatch.setenv("NO_PROXY", "127.0.0.2")
+        assert hub_unreachable() == "127.0.0.2: Connection refused"
+    monkeypatch.delenv("NO_PROXY")
+    monkeypatch.setenv("HTTPS_PROXY", f"http://127.0.0.1:{closed_port}")
+    assert hub_unreachable() == "127.0.0.1 (the proxy for 127.0.0.2): Connection refused"
+
+
 def test_a_hub_dataset_that_cannot_be_fetched_or_found_in_the_cache_is_one_line(monkeypatch, closed_port, caplog):
     monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", f"http://127.0.0.1:{closed_port}")
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
@@ -46,4 +63,4 @@ def test_a_hub_dataset_that_cannot_be_fetched_or_found_in_the_cache_is_one_line(
     )
     assert "data.train.path" in str(caught.value)
     assert "read from the local cache only" in caplog.text
-    assert (datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE) == offline_before
+    assert offline_before == (datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE)
