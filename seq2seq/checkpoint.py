@@ -292,4 +292,5 @@ def average_checkpoints(paths: list[Path], output: Path) -> None:
         if index < len(paths) - 1:
             del checkpoint  # before the next one loads
     averaged = {name: (total / len(paths)).to(checkpoint.model[name].dtype) for name, total in sums.items()}
-    dataclasses.replace(checkpoint, model=averaged, averaged_from=[str(p) for p in paths], ema={}).save(output)
+    averaged_from = [str(p) for p in paths]
+    dataclasses.replace(checkpoint, model=averaged, averaged_from=averaged_from, ema={}, weights="average").save(output)

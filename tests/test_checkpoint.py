@@ -96,7 +96,7 @@ def test_average_of_checkpoints_is_the_parameter_mean(tmp_path, two_checkpoints)
     averaged = Checkpoint.load(tmp_path / "avg.pt")
     for name in a:
         torch.testing.assert_close(averaged.model[name], (a[name] + b[name]) / 2)
-    assert averaged.averaged_from == [str(first), str(second)]
+    assert averaged.averaged_from == [str(first), str(second)] and averaged.weights == "average"
     assert dataclasses.replace(averaged.progress) == Checkpoint.load(second).progress
     load_for_inference(tmp_path / "avg.pt")  # still a complete checkpoint
 

@@ -175,5 +175,5 @@ def average_last_saves(
     metrics.write("average", step=progress.step, loss=result.loss, bleu=scores.bleu, chrf=scores.chrf)
     if record_best(progress, result, metric):
         log.info("the average validates better by %s: it becomes best.pt", metric)
-        best = dataclasses.replace(averaged, progress=dataclasses.replace(progress), weights="average")
+        best = dataclasses.replace(averaged, progress=dataclasses.replace(progress))
         best.save(folder / BEST)
