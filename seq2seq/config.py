@@ -127,6 +127,23 @@ class TokenizerConfig:
     )
     sample_sentences: int = setting(1_000_000, "train on at most this many randomly sampled sentences", Bound(1))
     user_defined_symbols: tuple[str, ...] = setting((), "pieces never split (e.g. tags)")
+    model_files: tuple[str, ...] = setting(
+        (),
+        "existing SentencePiece models used instead of training one: one file (joint) or two (source, "
+        "target; joint: false); vocab_size, model_type, character_coverage and sample_sentences are then "
+        "the files' own",
+        path=True,
+    )
+
+    def problems(self) -> list[tuple[str, str]]:
+        count = len(self.model_files)
+        if count > 2:
+            return [("model_files", f"expected one file (joint) or two (source, target), got {count}")]
+        if count == 2 and self.joint:
+            return [("model_files", "two files are a source and a target vocabulary; expected joint: false")]
+        if count == 1 and not self.joint:
+            return [("model_files", "one file is a joint vocabulary; expected joint: true, or two files")]
+        return []
 
 
 RATE = Bound(0.0, 1.0, high_open=True)  # a probability that must leave something

@@ -51,6 +51,11 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
         for key, file in corpus.files().items()
         if (problem := _data_path_problem(Path(file), folder_allowed=corpus.format == "hf"))
     ]
+    missing += [
+        (f"tokenizer.model_files[{index}]", f"{problem}: {file}")
+        for index, file in enumerate(config.tokenizer.model_files)
+        if (problem := _data_path_problem(Path(file), folder_allowed=False))
+    ]
     _raise_problems(missing, origin=str(path), overridden=overridden)  # a file given by --set names its flag
     return config
 

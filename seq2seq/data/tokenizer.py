@@ -21,9 +21,10 @@ from typing import TypeVar
 import sentencepiece as spm
 
 from seq2seq.config import TokenizerConfig
+from seq2seq.data.sentencepiece_files import read_model_files
 from seq2seq.data.special_tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from seq2seq.errors import UserInputError
-from seq2seq.files import atomic_write, write_text_atomic
+from seq2seq.files import atomic_write, content_digest, write_text_atomic
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -148,12 +149,18 @@ def load_or_train_tokenizer(
     there is none. One trained otherwise is refused, never replaced: it may be what a user made with
     `seq2seq tokenizer train` (long work, on a large corpus), and training on it would be wrong.
 
+    With `tokenizer.model_files`, those models are taken instead of training one (sentencepiece_files.py),
+    and recorded by their content.
+
     `pairs` is consumed only when training, so a lazy stream of a large corpus costs nothing on reuse.
     A tokenizer saved before this record existed is reused as it is. `data_name` (the config key and
     files) names the data in an error.
     """
     directory = Path(directory)
-    trained_on = {"settings": dataclasses.asdict(config), "seed": seed, "data": data_identity}
+    if config.model_files:  # the given models' content, not the data or seed they would be trained with
+        trained_on = {"settings": dataclasses.asdict(config), "files": [content_digest(f) for f in config.model_files]}
+    else:
+        trained_on = {"settings": dataclasses.asdict(config), "seed": seed, "data": data_identity}
     trained_on = json.loads(json.dumps(trained_on))  # tuples as lists, as read back from the file
     if saved_tokenizer_exists(directory):
         recorded = _read_trained_on(directory)
@@ -164,15 +171,18 @@ def load_or_train_tokenizer(
             f"the tokenizer this config trains: start the run in a new --run-dir, or delete {directory} to "
             "train it again"
         )
-    tokenizer = train_tokenizer(config, pairs, seed=seed, data_name=data_name)
+    if config.model_files:
+        tokenizer = Tokenizer(*read_model_files(config))
+    else:
+        tokenizer = train_tokenizer(config, pairs, seed=seed, data_name=data_name)
+        sizes = (tokenizer.src_vocab_size, tokenizer.tgt_vocab_size)
+        # hard_vocab_limit=False: a small corpus gets the pieces it supports, which the log then says
+        fewer = f" (tokenizer.vocab_size {config.vocab_size}: the training text supports no more)"
+        log.info(
+            "trained tokenizer: %d source / %d target pieces%s", *sizes, fewer if min(sizes) < config.vocab_size else ""
+        )
     tokenizer.save(directory)
     write_text_atomic(directory / TRAINED_ON, json.dumps(trained_on, indent=1) + "\n")
-    sizes = (tokenizer.src_vocab_size, tokenizer.tgt_vocab_size)
-    # hard_vocab_limit=False: a small corpus gets the pieces it supports, which the log then says
-    fewer = f" (tokenizer.vocab_size {config.vocab_size}: the training text supports no more)"
-    log.info(
-        "trained tokenizer: %d source / %d target pieces%s", *sizes, fewer if min(sizes) < config.vocab_size else ""
-    )
     return tokenizer
 
 
@@ -186,10 +196,12 @@ def _differences(recorded: dict, wanted: dict) -> list[str]:
     ]
     if not isinstance(saved, dict):
         found.append("its tokenizer settings")
-    if recorded.get("seed") != wanted["seed"]:
+    if recorded.get("seed") != wanted.get("seed"):
         found.append(f"train.seed {recorded.get('seed')!r} there, {wanted['seed']!r} here")
-    if recorded.get("data") != wanted["data"]:
+    if recorded.get("data") != wanted.get("data"):
         found.append("other training data")
+    if recorded.get("files") != wanted.get("files"):
+        found.append("other contents of tokenizer.model_files")
     return found
 
 
