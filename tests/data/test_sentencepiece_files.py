@@ -18,9 +18,10 @@ from seq2seq.errors import UserInputError
 
 from ..conftest import tiny_config_dict
 
-# spm_train's own defaults (no pad piece), and fairseq's layout (a BPE model, with a tag)
+# spm_train's own defaults (no pad piece), a run's own, and fairseq's layout (a BPE model, with a tag)
 LAYOUTS = {
     "spm defaults": {"model_type": "unigram"},
+    "seq2seq ids": {"model_type": "unigram", "pad_id": 0, "unk_id": 1, "bos_id": 2, "eos_id": 3},
     "fairseq ids": {"model_type": "bpe", "bos_id": 0, "pad_id": 1, "eos_id": 2, "unk_id": 3,
                     "user_defined_symbols": ["<bt>"]},
 }  # fmt: skip
