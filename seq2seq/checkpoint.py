@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import os
 import pickle
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -150,8 +151,11 @@ class Checkpoint:
         except FileNotFoundError:
             raise UserInputError(f"{path}: checkpoint not found") from None
         except Exception as exc:  # torch raises several types for corrupt or foreign files
+            # torch.save writes a zip archive; any other file (a YAML config, a SentencePiece model) is
+            # read as a bare pickle, whose first byte the weights-only loader refuses like an object
             refused = isinstance(exc, pickle.UnpicklingError) and WEIGHTS_ONLY_REFUSAL in str(exc)
-            raise UserInputError(f"{path}: {HOLDS_OBJECTS if refused else NOT_A_CHECKPOINT}") from None
+            holds_objects = refused and zipfile.is_zipfile(path)
+            raise UserInputError(f"{path}: {HOLDS_OBJECTS if holds_objects else NOT_A_CHECKPOINT}") from None
         return cls.from_state(state, origin=str(path))
 
     def build_model(self, device: torch.device | str = "cpu") -> Seq2SeqTransformer:

@@ -52,8 +52,10 @@ def test_checkpoint_loading_refuses_pickled_code(tmp_path):
     with pytest.raises(UserInputError, match="holds Python objects beside tensors and plain data"):
         Checkpoint.load(evil)
     (tmp_path / "text.pt").write_text("root:x:0:0:root:/root:/bin/bash\n")
-    with pytest.raises(UserInputError, match="not a readable seq2seq checkpoint; expected a .pt file that seq2seq"):
-        Checkpoint.load(tmp_path / "text.pt")
+    (tmp_path / "config.yaml").write_bytes("\ufeffdata:\n  src_lang: en\n".encode())  # a BOM: not a pickle opcode
+    for other in ("text.pt", "config.yaml"):
+        with pytest.raises(UserInputError, match="not a readable seq2seq checkpoint; expected a .pt file that seq2seq"):
+            Checkpoint.load(tmp_path / other)
     torch.save({"model": {}}, tmp_path / "foreign.pt")
     with pytest.raises(UserInputError, match="not a seq2seq checkpoint"):
         Checkpoint.load(tmp_path / "foreign.pt")
