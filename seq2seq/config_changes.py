@@ -27,6 +27,12 @@ RUN_DEFINING_KEYS = (
 )
 
 
+# Where a run's vocabulary was read from, not what it is: a checkpoint carries its tokenizer, and a run
+# that resumes or starts from one checks the files against it (run_dir.prepare_run), so the files may
+# move, as a corpus may.
+VOCABULARY_LOCATIONS = ("tokenizer.model_files",)
+
+
 def config_differences(first: Config, second: Config) -> dict[str, tuple[Any, Any]]:
     """Dotted key -> (first value, second value) for every leaf key whose values differ (None where a
     list of sections is shorter: data.extra_train[1].src)."""
@@ -62,7 +68,7 @@ def architecture_differences(first: Config, second: Config) -> list[str]:
     return [
         key
         for key in config_differences(first, second)
-        if key.startswith(("model.", "tokenizer.")) and key not in REGULARISATION_KEYS
+        if key.startswith(("model.", "tokenizer.")) and key not in (*REGULARISATION_KEYS, *VOCABULARY_LOCATIONS)
     ]
 
 
@@ -74,6 +80,7 @@ def run_defining_differences(first: Config, second: Config, *, text_compared: bo
         key
         for key in config_differences(first, second)
         if any(key == prefix or key.startswith((prefix + ".", prefix + "[")) for prefix in RUN_DEFINING_KEYS)
+        and key not in VOCABULARY_LOCATIONS
         and not (text_compared and key.startswith(("data.train.", "data.extra_train[")) and not key.endswith(".weight"))
     ]
 

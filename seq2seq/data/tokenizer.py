@@ -157,8 +157,11 @@ def load_or_train_tokenizer(
     files) names the data in an error.
     """
     directory = Path(directory)
-    if config.model_files:  # the given models' content, not the data or seed they would be trained with
-        trained_on = {"settings": dataclasses.asdict(config), "files": [content_digest(f) for f in config.model_files]}
+    if (
+        config.model_files
+    ):  # the given models by content (they may move), not the data or seed they would be trained with
+        settings = {key: value for key, value in dataclasses.asdict(config).items() if key != "model_files"}
+        trained_on = {"settings": settings, "files": [content_digest(f) for f in config.model_files]}
     else:
         trained_on = {"settings": dataclasses.asdict(config), "seed": seed, "data": data_identity}
     trained_on = json.loads(json.dumps(trained_on))  # tuples as lists, as read back from the file
@@ -184,6 +187,16 @@ def load_or_train_tokenizer(
     tokenizer.save(directory)
     write_text_atomic(directory / TRAINED_ON, json.dumps(trained_on, indent=1) + "\n")
     return tokenizer
+
+
+def check_model_files_hold(tokenizer: Tokenizer, config: TokenizerConfig) -> None:
+    """Refuse model files that are not the vocabulary of the checkpoint a run resumes or starts from:
+    the run goes on with the checkpoint's, and a config naming another would say what it is not."""
+    if Tokenizer(*read_model_files(config)).protos() != tokenizer.protos():
+        raise UserInputError(
+            f"tokenizer.model_files: {' and '.join(config.model_files)} hold another vocabulary than the "
+            "checkpoint's; expected the files it was trained with (they may have moved), or a new run"
+        )
 
 
 def _differences(recorded: dict, wanted: dict) -> list[str]:

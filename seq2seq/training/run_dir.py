@@ -26,7 +26,12 @@ from seq2seq.config import Config
 from seq2seq.config_changes import architecture_differences, config_differences, run_defining_differences
 from seq2seq.data.prepare import TrainingData, prepare_training_data, read_split, stream_split
 from seq2seq.data.sources import corpus_identity
-from seq2seq.data.tokenizer import Tokenizer, load_or_train_tokenizer, saved_tokenizer_exists
+from seq2seq.data.tokenizer import (
+    Tokenizer,
+    check_model_files_hold,
+    load_or_train_tokenizer,
+    saved_tokenizer_exists,
+)
 from seq2seq.errors import UserInputError
 from seq2seq.files import remove_stale_temporaries, write_text_atomic
 from seq2seq.inference.engine import EXPORT_METADATA
@@ -242,6 +247,8 @@ def prepare_run(
     the digest of its training text (`trained_on`), which the data must match, and those of its sampled
     segmentations (`segmented_as`), which it warns of when they differ. Rank 0 holds the directory
     (RunDir.held) until `held` closes; a new run (not `resumed`) sets an earlier run's metrics aside."""
+    if tokenizer is not None and config.tokenizer.model_files:
+        check_model_files_hold(tokenizer, config.tokenizer)
     valid_text = read_split(config.data, "valid")
     if dist.is_main:
         held.enter_context(run_dir.held())

@@ -124,3 +124,31 @@ def test_a_run_trains_and_translates_with_a_model_file_of_fairseqs_layout(tiny_d
     assert trained.exit_code == 0, trained.output
     translated = runner.invoke(app, ["translate", "-c", str(tmp_path / "run")], input="the cat\n<bt> a dog\n")
     assert translated.exit_code == 0 and len(translated.stdout.splitlines()) == 2, translated.output
+
+
+def test_a_run_resumes_with_its_model_file_moved_but_not_with_another(tiny_data, tmp_path):
+    """A checkpoint carries its vocabulary: the files may move, as a corpus may, but a config that
+    names another vocabulary is refused (the run would go on with its own and the config would lie)."""
+    from typer.testing import CliRunner
+
+    from seq2seq.cli.main import app
+
+    path = own_model(tiny_data, tmp_path, "spm defaults")
+    raw = tiny_config_dict(tiny_data, max_steps=2, valid_every=100, save_every=2)
+    raw["tokenizer"] = {"model_files": [str(path)]}
+    config = tmp_path / "own.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    runner, run = CliRunner(), str(tmp_path / "run")
+    assert runner.invoke(app, ["train", str(config), "--run-dir", run]).exit_code == 0
+    moved = path.rename(tmp_path / "moved.model")
+    raw["tokenizer"]["model_files"] = [str(moved)]
+    raw["train"]["max_steps"] = 4
+    config.write_text(yaml.safe_dump(raw))
+    resumed = runner.invoke(app, ["train", str(config), "--resume", run])
+    assert resumed.exit_code == 0, resumed.output
+    other = own_model(tiny_data, tmp_path, "seq2seq ids")
+    raw["tokenizer"]["model_files"] = [str(other)]
+    raw["train"]["max_steps"] = 6
+    config.write_text(yaml.safe_dump(raw))
+    refused = runner.invoke(app, ["train", str(config), "--resume", run])
+    assert refused.exit_code == 2 and "hold another vocabulary than the checkpoint's" in refused.stderr, refused.output
