@@ -92,9 +92,8 @@ def train(
     finally:
         shutdown_distributed()
     if int(os.environ.get("RANK", "0")) == 0:
-        typer.echo(
-            f"stopped after {result.progress.step} steps ({result.stop_reason}); checkpoint: {result.last_checkpoint}"
-        )
+        steps = f"{result.progress.step} step{'' if result.progress.step == 1 else 's'}"
+        typer.echo(f"stopped after {steps} ({result.stop_reason}); checkpoint: {result.last_checkpoint}")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         leave_worker()
 

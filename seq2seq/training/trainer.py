@@ -191,7 +191,7 @@ class Trainer:
                 saved = self._interrupted_save or self.run_dir.latest_checkpoint()
                 log.warning("interrupted at step %d; saved %s", progress.step, saved)
             self.stops.deliver(self.stop_signal)
-        log.info("stopped after %d steps: %s", progress.step, stop_reason)
+        log.info("stopped after %d step%s: %s", progress.step, "" if progress.step == 1 else "s", stop_reason)
         return TrainResult(dataclasses.replace(progress), self.run_dir.checkpoints / LAST, stop_reason)
 
     def _train_epoch(self, bar: tqdm, window: LogWindow, per_update: int) -> str:
