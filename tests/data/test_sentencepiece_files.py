@@ -3,6 +3,7 @@ seq2seq's ids, every text segmented as the original model segments it, and a run
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -66,6 +67,8 @@ def test_a_run_takes_the_given_model_and_records_it_by_content(tiny_data, tmp_pa
     recorded = json.loads((tmp_path / "tok" / TRAINED_ON).read_text())
     assert set(recorded) == {"settings", "files"}
     load_or_train_tokenizer(tmp_path / "tok", config, never_read, seed=2)  # seed and data do not matter
+    unread = dataclasses.replace(config, vocab_size=16000, model_type="bpe", sample_sentences=10)
+    load_or_train_tokenizer(tmp_path / "tok", unread, never_read, seed=1)  # nor settings the file makes its own
     (tmp_path / "other").mkdir()
     path.write_bytes(own_model(tiny_data, tmp_path / "other", "fairseq ids").read_bytes())  # the same path, changed
     with pytest.raises(UserInputError, match="other contents of tokenizer.model_files"):
