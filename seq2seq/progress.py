@@ -8,6 +8,7 @@ at its default level shows them, so a Python user of the Translator API sees bar
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Iterable, Iterator
 from typing import TypeVar
 
@@ -24,9 +25,26 @@ def bars_allowed() -> bool:
     return max(logger.level, min(shown, default=logging.NOTSET)) <= logging.INFO
 
 
+# On a terminal a bar is redrawn in place: one line. Written to a file (a cluster job's log, `2> log`)
+# every redraw stays, ten a second by tqdm's default, megabytes of them in a day's training; there a
+# bar is redrawn once a minute (its first and last states are always written).
+FILE_REDRAW_S = 60.0
+
+
 def progress_bar(*, enabled: bool = True, **options) -> tqdm:
-    """A tqdm bar (its options as given), disabled unless `enabled` and bars are allowed."""
+    """A tqdm bar (its options as given), disabled unless `enabled` and bars are allowed; redrawn once
+    a minute where its stream (stderr) is not a terminal."""
+    stream = options.get("file") or sys.stderr
+    if not _is_terminal(stream):
+        options = {"mininterval": FILE_REDRAW_S, "maxinterval": FILE_REDRAW_S, **options}
     return tqdm(disable=not (enabled and bars_allowed()), **options)
+
+
+def _is_terminal(stream) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # no stream (pythonw), or a closed one
+        return False
 
 
 def with_progress(items: Iterable[T], desc: str, *, enabled: bool) -> Iterator[T]:
