@@ -212,7 +212,8 @@ def decode_config_from(stored: DecodeConfig, values: dict[str, Any], *, origin: 
     hints = typing.get_type_hints(DecodeConfig)
     for key, value in values.items():
         if isinstance(value, str) and hints.get(key) in (int, float):
-            errors.append((f"decode.{key}", f"expected a number, got {value!r}"))
+            kind = "an integer" if hints[key] is int else "a number"
+            errors.append((f"decode.{key}", f"expected {kind}, got {value!r}"))
     decode = None
     if not errors:
         decode = build_dataclass(DecodeConfig, {**dataclasses.asdict(stored), **values}, "decode.", errors)

@@ -265,8 +265,10 @@ def test_every_front_door_bounds_the_decode_numbers_alike(tmp_path, tiny_data, k
 def test_the_python_api_takes_numbers_not_strings_that_parse_as_numbers():
     from seq2seq.config_files import decode_config_from
 
-    with pytest.raises(UserInputError, match="decode.beam: expected a number, got '0x10'"):
+    with pytest.raises(UserInputError, match="decode.beam: expected an integer, got '0x10'"):
         decode_config_from(DecodeConfig(), {"beam": "0x10"}, origin="options")
+    with pytest.raises(UserInputError, match="decode.length_penalty: expected a number, got '1.0'"):
+        decode_config_from(DecodeConfig(), {"length_penalty": "1.0"}, origin="options")
     assert decode_config_from(DecodeConfig(), {"beam": 3, "length_penalty": 1}, origin="options").beam == 3
 
 
