@@ -44,6 +44,10 @@ def plot_training_curves(run_dir: str | Path) -> list[Path]:
     if not run_dir.is_dir():
         found = "not found" if not run_dir.exists() else "not a directory"
         raise UserInputError(f"{run_dir}: {found}; expected a run directory (seq2seq train --run-dir)")
+    if not (run_dir / "metrics.jsonl").is_file():
+        raise UserInputError(
+            f"{run_dir}: no metrics.jsonl; expected a run directory (seq2seq train --run-dir) that has logged a step"
+        )
     out = run_dir / "plots"
     check_replaceable_plots([out / f"{name}.png" for name in FIGURES], command="seq2seq plot")
     records = MetricsLog(run_dir / "metrics.jsonl").read()

@@ -315,7 +315,7 @@ CASES = {
                                       lambda w: [str(w.junk), "not a readable seq2seq checkpoint"],
                                       not_created=lambda w: [w.root / "avg.pt"]),
     "plot a folder without metrics": Case(lambda w: ["plot", w.folder],
-                                          lambda w: [str(w.folder), "no metrics to plot"]),
+                                          lambda w: [str(w.folder), "no metrics.jsonl; expected a run directory"]),
     "plot a run directory that does not exist": Case(lambda w: ["plot", w.nowhere.parent],
                                                      lambda w: [str(w.nowhere.parent), "not found",
                                                                 "expected a run directory"]),
