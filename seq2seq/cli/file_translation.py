@@ -132,7 +132,8 @@ def translate_file(
     chunks = ([row] for row in rows) if stream else chunked(rows, FILE_CHUNK_LINES)
     first_chunk = next(chunks, [])
     # the bar is closed however translation ends, so that an error's line starts a line of its own
-    with progress_bar(desc="translate", unit="sent", enabled=not (source == "-" or stream)) as bar:
+    total = sum(1 for _ in read_lines(source)) if rereadable else None  # the bar's end, where it can be known
+    with progress_bar(total=total, desc="translate", unit="sent", enabled=not (source == "-" or stream)) as bar:
         results = (
             result
             for chunk, first in _numbered(itertools.chain([first_chunk], chunks))

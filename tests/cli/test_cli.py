@@ -188,6 +188,7 @@ def test_translate_from_stdin_and_files_with_nbest(trained_run, tmp_path):
     assert result.exit_code == 0, result.output
     rows = [line.split(" ||| ") for line in out.read_text().splitlines()]
     assert len(rows) == 2 * 30 and {int(r[0]) for r in rows} == set(range(30))
+    assert "30/30" in result.stderr  # a file's bar knows its end
     streamed = invoke("translate", "-c", checkpoint, "--stream", "--beam", "1", input="the cat sleeps\n")
     assert (
         streamed.stdout.splitlines()
