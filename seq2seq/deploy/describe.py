@@ -69,6 +69,8 @@ def _describe_checkpoint(path: Path, checkpoint: Checkpoint) -> dict[str, Any]:
         "source": tokenizer.src_vocab_size,
         "target": tokenizer.tgt_vocab_size,
     }
+    if config.tokenizer.model_files:  # a SentencePiece model the user brought, not one trained for the run
+        described["vocabulary"]["from_files"] = list(config.tokenizer.model_files)
     described["training"] = _training(config, checkpoint.train_data)
     described["decode"] = config.to_dict()["decode"]
     return described

@@ -127,6 +127,8 @@ def test_a_run_trains_and_translates_with_a_model_file_of_fairseqs_layout(tiny_d
     assert trained.exit_code == 0, trained.output
     translated = runner.invoke(app, ["translate", "-c", str(tmp_path / "run")], input="the cat\n<bt> a dog\n")
     assert translated.exit_code == 0 and len(translated.stdout.splitlines()) == 2, translated.output
+    described = json.loads(runner.invoke(app, ["info", str(tmp_path / "run"), "--json"]).stdout)
+    assert described["vocabulary"]["from_files"] == [str(path)]
 
 
 def test_a_run_resumes_with_its_model_file_moved_but_not_with_another(tiny_data, tmp_path):
