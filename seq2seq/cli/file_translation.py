@@ -125,14 +125,16 @@ def translate_file(
     names = guides.names(source)
     # a line it would refuse: named before any work, where the input can be read twice (not stdin or a pipe)
     rereadable = source != "-" and not read_once(source) and not guides.read_once()
+    total = None  # the bar's end, where the input can be counted before it is translated
     if rereadable and (guided or translator.max_positions is not None):
-        _check_whole_input(translator, decode, source, guides, glossary, names)
+        total = _check_whole_input(translator, decode, source, guides, glossary, names)
+    elif rereadable:
+        total = sum(1 for _ in read_lines(source))
     lines_in = decode_lines(sys.stdin.buffer, "<stdin>") if source == "-" else read_lines(source)
     rows = guides.aligned(lines_in)
     chunks = ([row] for row in rows) if stream else chunked(rows, FILE_CHUNK_LINES)
     first_chunk = next(chunks, [])
     # the bar is closed however translation ends, so that an error's line starts a line of its own
-    total = sum(1 for _ in read_lines(source)) if rereadable else None  # the bar's end, where it can be known
     with progress_bar(total=total, desc="translate", unit="sent", enabled=not (source == "-" or stream)) as bar:
         results = (
             result
@@ -241,14 +243,17 @@ def _check_whole_input(
     guides: LineGuides,
     glossary: Glossary | None,
     names: Names,
-) -> None:
+) -> int:
     """Plan every chunk of the input file, so that a line the model would refuse (past an export's
-    positions, or with guidance its vocabulary cannot spell) is named before anything is translated."""
-    guided = guides != LineGuides()
+    positions, or with guidance its vocabulary cannot spell) is named before anything is translated;
+    the file's line count."""
+    guided, count = guides != LineGuides(), 0
     for chunk, first in _numbered(chunked(guides.aligned(read_lines(source)), FILE_CHUNK_LINES)):
         lines, prefixes, constraints = _guidance(chunk, glossary, guided=guided)
         names_here = dataclasses.replace(names, first=first)
         translator.plan(lines, decode, prefixes=prefixes, constraints=constraints, names=names_here)
+        count = first + len(chunk)
+    return count
 
 
 def _write(sink: TextIO, results: Iterable[Translation], *, nbest: bool, flush: bool) -> None:
