@@ -2,10 +2,9 @@
 
 Behind a firewall or on a cluster's compute nodes, `datasets.load_dataset("wmt14", ...)` retried
 each request five times with back-off before it gave up: half a minute of "Retrying in 8s" lines
-before the one that mattered. One connection to the hub, with a short
-timeout, tells first; when it fails, the load runs in the libraries' offline mode (what
-HF_HUB_OFFLINE=1 sets), which reads a dataset cached by an earlier download at once, and a dataset
-that is not cached is one line saying so.
+before the one that mattered. One connection to the hub, with a short timeout, tells first; when it
+fails, the load runs in the libraries' offline mode (what HF_HUB_OFFLINE=1 sets), which reads a
+dataset cached by an earlier download at once, and a dataset that is not cached is one line saying so.
 """
 
 from __future__ import annotations

@@ -65,7 +65,13 @@ def with_our_special_ids(proto: bytes, origin: str) -> bytes:
     ordered = [specials[our_id] for our_id in sorted(specials)]  # ids 0 to 3
     model.pieces.extend(ordered + [piece for index, piece in enumerate(pieces) if index not in moved])
     spec.pad_id, spec.unk_id, spec.bos_id, spec.eos_id = PAD_ID, UNK_ID, BOS_ID, EOS_ID
-    return model.SerializeToString()
+    edited = model.SerializeToString()
+    try:  # a protobuf that parses is not yet a model SentencePiece loads (its unknown piece, its types)
+        spm.SentencePieceProcessor(model_proto=edited)
+    except (RuntimeError, OSError) as error:
+        reason = str(error).split("] ", 1)[-1].strip() or type(error).__name__
+        raise UserInputError(f"{origin}: not a SentencePiece model that loads ({reason})") from None
+    return edited
 
 
 def read_model_files(config: TokenizerConfig) -> list[bytes]:

@@ -92,6 +92,12 @@ def test_model_files_mistakes_are_one_line_each(tiny_data, tmp_path):
     text.write_text("not a model\n")
     with pytest.raises(UserInputError, match=rf"{text}: not a SentencePiece model"):
         with_our_special_ids(text.read_bytes(), str(text))
+    from sentencepiece import sentencepiece_model_pb2
+
+    no_unknown = sentencepiece_model_pb2.ModelProto()
+    no_unknown.pieces.add(piece="a", score=0.0, type=no_unknown.SentencePiece.Type.NORMAL)  # parses; does not load
+    with pytest.raises(UserInputError, match="x.model: not a SentencePiece model that loads"):
+        with_our_special_ids(no_unknown.SerializeToString(), "x.model")
     raw = tiny_config_dict(tiny_data)
     raw["tokenizer"] = {"model_files": [str(path)], "user_defined_symbols": ["<bt>"]}
     config = config_from_dict(raw, origin="test").tokenizer
