@@ -135,6 +135,12 @@ class TokenizerConfig:
         path=True,
     )
 
+    @property
+    def unread(self) -> tuple[str, ...]:
+        """The settings that make no difference: with model_files, those of a training (the files'
+        own); they may change between a run and its resume."""
+        return ("vocab_size", "model_type", "character_coverage", "sample_sentences") if self.model_files else ()
+
     def problems(self) -> list[tuple[str, str]]:
         count = len(self.model_files)
         if count > 2:

@@ -62,13 +62,21 @@ REGULARISATION_KEYS = (
 )
 
 
+def _unread_by_both(first: Config, second: Config) -> set[str]:
+    """The tokenizer keys that neither config reads (TokenizerConfig.unread), and where a vocabulary
+    lies: differences that change nothing a run trains."""
+    unread = set(first.tokenizer.unread) & set(second.tokenizer.unread)
+    return {f"tokenizer.{key}" for key in unread} | set(VOCABULARY_LOCATIONS)
+
+
 def architecture_differences(first: Config, second: Config) -> list[str]:
     """The model and tokenizer keys whose values differ, but for REGULARISATION_KEYS: what a model
     fine-tuned from another (train.init_from) must keep of it to take its weights and vocabulary."""
+    ignored = {*REGULARISATION_KEYS, *_unread_by_both(first, second)}
     return [
         key
         for key in config_differences(first, second)
-        if key.startswith(("model.", "tokenizer.")) and key not in (*REGULARISATION_KEYS, *VOCABULARY_LOCATIONS)
+        if key.startswith(("model.", "tokenizer.")) and key not in ignored
     ]
 
 
@@ -76,11 +84,12 @@ def run_defining_differences(first: Config, second: Config, *, text_compared: bo
     """The run-defining keys whose values differ. With `text_compared` (the training text's digests are
     compared instead, checkpoint.train_data), a training corpus's own keys may differ but for its
     weight, which the text does not show: a corpus that moved, or the same pairs in another format."""
+    ignored = _unread_by_both(first, second)
     return [
         key
         for key in config_differences(first, second)
         if any(key == prefix or key.startswith((prefix + ".", prefix + "[")) for prefix in RUN_DEFINING_KEYS)
-        and key not in VOCABULARY_LOCATIONS
+        and key not in ignored
         and not (text_compared and key.startswith(("data.train.", "data.extra_train[")) and not key.endswith(".weight"))
     ]
 

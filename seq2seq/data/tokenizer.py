@@ -30,7 +30,6 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 TRAINED_ON = "trained_on.json"  # the settings and data identity a saved tokenizer was trained with
-READ_WITH_MODEL_FILES = ("joint", "user_defined_symbols")  # the settings that tokenizer.model_files leaves in use
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,7 +160,7 @@ def load_or_train_tokenizer(
     if (
         config.model_files
     ):  # the given models by content (they may move), not the data or seed they would be trained with
-        settings = {key: value for key, value in dataclasses.asdict(config).items() if key in READ_WITH_MODEL_FILES}
+        settings = {key: value for key, value in dataclasses.asdict(config).items() if key not in config.unread}
         trained_on = {"settings": settings, "files": [content_digest(f) for f in config.model_files]}
     else:
         trained_on = {"settings": dataclasses.asdict(config), "seed": seed, "data": data_identity}

@@ -138,8 +138,9 @@ def test_a_run_trains_and_translates_with_a_model_file_of_fairseqs_layout(tiny_d
 
 
 def test_a_run_resumes_with_its_model_file_moved_but_not_with_another(tiny_data, tmp_path):
-    """A checkpoint carries its vocabulary: the files may move, as a corpus may, but a config that
-    names another vocabulary is refused (the run would go on with its own and the config would lie)."""
+    """A checkpoint carries its vocabulary: the files may move, as a corpus may, and the settings the
+    files make their own may change, but a config that names another vocabulary is refused (the run
+    would go on with its own and the config would lie)."""
     from typer.testing import CliRunner
 
     from seq2seq.cli.main import app
@@ -152,7 +153,7 @@ def test_a_run_resumes_with_its_model_file_moved_but_not_with_another(tiny_data,
     runner, run = CliRunner(), str(tmp_path / "run")
     assert runner.invoke(app, ["train", str(config), "--run-dir", run]).exit_code == 0
     moved = path.rename(tmp_path / "moved.model")
-    raw["tokenizer"]["model_files"] = [str(moved)]
+    raw["tokenizer"].update(model_files=[str(moved)], vocab_size=123)  # vocab_size: the file's own, unread
     raw["train"]["max_steps"] = 4
     config.write_text(yaml.safe_dump(raw))
     resumed = runner.invoke(app, ["train", str(config), "--resume", run])
