@@ -157,10 +157,10 @@ def load_or_train_tokenizer(
     files) names the data in an error.
     """
     directory = Path(directory)
-    if (
-        config.model_files
-    ):  # the given models by content (they may move), not the data or seed they would be trained with
-        settings = {key: value for key, value in dataclasses.asdict(config).items() if key not in config.unread}
+    # given models are recorded by content (they may move), not by the data or seed a training would use
+    if config.model_files:
+        unrecorded = {*config.unread, "model_files"}
+        settings = {key: value for key, value in dataclasses.asdict(config).items() if key not in unrecorded}
         trained_on = {"settings": settings, "files": [content_digest(f) for f in config.model_files]}
     else:
         trained_on = {"settings": dataclasses.asdict(config), "seed": seed, "data": data_identity}

@@ -69,6 +69,11 @@ def test_a_run_takes_the_given_model_and_records_it_by_content(tiny_data, tmp_pa
     load_or_train_tokenizer(tmp_path / "tok", config, never_read, seed=2)  # seed and data do not matter
     unread = dataclasses.replace(config, vocab_size=16000, model_type="bpe", sample_sentences=10)
     load_or_train_tokenizer(tmp_path / "tok", unread, never_read, seed=1)  # nor settings the file makes its own
+    moved = path.rename(tmp_path / "moved.model")
+    load_or_train_tokenizer(
+        tmp_path / "tok", dataclasses.replace(config, model_files=(str(moved),)), never_read, seed=1
+    )
+    path = moved.rename(path)
     (tmp_path / "other").mkdir()
     path.write_bytes(own_model(tiny_data, tmp_path / "other", "fairseq ids").read_bytes())  # the same path, changed
     with pytest.raises(UserInputError, match="other contents of tokenizer.model_files"):
