@@ -229,8 +229,8 @@ def _decode(
             raise RequestError(422, f"{key}: expected a 64-bit integer, got {shortened(value)}")
     try:
         return translator.settings(**options)
-    except UserInputError as error:  # lines like "options: decode.nbest: expected ...": keep the key once
-        problems = [line.split(": ", 1)[-1] for line in str(error).splitlines()]
+    except UserInputError as error:  # lines like "options: decode.nbest: expected ...": name the request's field
+        problems = [line.split(": ", 1)[-1].removeprefix("decode.") for line in str(error).splitlines()]
         raise RequestError(422, "; ".join(problems)) from None
 
 

@@ -268,6 +268,20 @@ def test_bad_requests_get_a_json_error_and_the_server_lives_on(server, body, sta
     assert process.poll() is None and httpx.get(f"{url}/health").status_code == 200
 
 
+@pytest.mark.parametrize(
+    ("fields", "error"),
+    [
+        ({"beam": 0}, "beam: expected an integer in [1, 256], got 0"),
+        ({"beam": 2, "nbest": 3}, "nbest: expected at most beam (2), got 3"),
+    ],
+)
+def test_a_value_the_model_refuses_is_named_by_its_request_field(server, fields, error):
+    """A client sends `beam`, not the config's `decode.beam`: the error names what it sent."""
+    url, _, _, _ = server
+    response = httpx.post(f"{url}/translate", json={"lines": ["a"], **fields})
+    assert response.status_code == 422 and response.json()["error"] == error
+
+
 def test_a_chunked_body_is_refused_once_it_passes_the_limit(server):
     """Without Content-Length (chunked transfer) the body is counted while it is read."""
     url, process, _, _ = server
