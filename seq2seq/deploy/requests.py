@@ -180,7 +180,7 @@ def _texts(
         known = {key, *extra}
         unknown = sorted(set(body) - known)
         if unknown:  # named cut short, and at most _NAMED of them: the answer never echoes a large body
-            named = ", ".join(name if len(name) <= 40 else name[:37] + "..." for name in unknown[:_NAMED])
+            named = ", ".join(map(shortened_name, unknown[:_NAMED]))
             more = f" and {len(unknown) - _NAMED:,} more" if len(unknown) > _NAMED else ""
             raise RequestError(422, f"unknown field(s) {named}{more}; expected {', '.join(sorted(known))}")
     texts = body.get(key)
@@ -240,6 +240,11 @@ def _has_json_type(value: object, kind: type) -> bool:
     if kind is float:
         return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     return isinstance(value, kind) and not isinstance(value, bool)
+
+
+def shortened_name(name: str) -> str:
+    """A field's name as the client sent it, cut short like `shortened`."""
+    return name if len(name) <= 40 else name[:37] + "..."
 
 
 def shortened(value: object) -> str:

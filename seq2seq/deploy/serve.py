@@ -49,6 +49,7 @@ from seq2seq.deploy.requests import (
     parse_score_request,
     request_schema,
     shortened,
+    shortened_name,
 )
 from seq2seq.errors import UserInputError
 from seq2seq.inference.engine import DeadlinePassed, PairScore, Translation
@@ -184,7 +185,7 @@ def _json(raw: bytes) -> object:
     UTF-8 cannot carry: SentencePiece, and an answer that names it, would fail on it; writing the
     body out again in UTF-8 finds one in any value or key."""
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, object_pairs_hook=_once_each)
         json.dumps(body, ensure_ascii=False).encode("utf-8")
     except RecursionError:
         raise RequestError(400, "malformed JSON: nested too deeply") from None
@@ -197,6 +198,17 @@ def _json(raw: bytes) -> object:
     except (ValueError, UnicodeDecodeError) as error:
         raise RequestError(400, f"malformed JSON: {error}") from None
     return body
+
+
+def _once_each(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    """A JSON object whose keys are all different: with `"beam": 5, "beam": 1` the parser would keep
+    the last without a word, and the client would not get what it asked for."""
+    fields: dict[str, object] = {}
+    for key, value in pairs:
+        if key in fields:
+            raise RequestError(422, f"{shortened_name(key)}: given twice; expected each field once")
+        fields[key] = value
+    return fields
 
 
 def _error(status: int, message: str, *, retry: bool = False) -> JSONResponse:

@@ -209,6 +209,8 @@ def test_a_lines_samples_are_the_same_alone_or_batched_with_another_clients(trai
         (json.dumps({"lines": "a"}).encode(), 422, "lines: expected a list of strings"),
         (json.dumps(["a"]).encode(), 422, "expected a JSON object"),
         (json.dumps({"lines": ["a"], "beem": 2}).encode(), 422, "unknown field(s) beem"),
+        # JSON parsers keep the last of a repeated key: the client would get beam 1, not what it meant
+        (b'{"lines": ["a"], "beam": 5, "beam": 1}', 422, "beam: given twice; expected each field once"),
         (
             json.dumps({"lines": ["a"], **{f"k{i}": 1 for i in range(10_000)}}).encode(),
             422,
