@@ -10,14 +10,16 @@ how: a stream (a pipe) can be read only once (read_once).
 from __future__ import annotations
 
 import contextlib
+import gzip
 import hashlib
+import io
 import os
 import shutil
 import socket
 import stat
 from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, TextIO
 
 from seq2seq.errors import UserInputError
 
@@ -106,9 +108,25 @@ def atomic_write(path: str | Path) -> Iterator[BinaryIO]:
         raise
 
 
-def write_text_atomic(path: str | Path, text: str) -> None:
+@contextlib.contextmanager
+def atomic_text_write(path: str | Path) -> Iterator[TextIO]:
+    """UTF-8 text written through atomic_write, gzip-compressed where the name ends in .gz: every
+    reader here (sources.read_lines) opens such a name as gzip, so `-o out.gz` written as plain text
+    could not be read back by `seq2seq score --hyp out.gz`."""
     with atomic_write(path) as handle:
-        handle.write(text.encode("utf-8"))
+        compressed = gzip.GzipFile(fileobj=handle, mode="wb", mtime=0) if str(path).endswith(".gz") else None
+        text = io.TextIOWrapper(compressed or handle, encoding="utf-8", write_through=True)
+        try:
+            yield text
+        finally:
+            text.detach()  # atomic_write closes the file; GzipFile.close writes its trailer and leaves it open
+            if compressed:
+                compressed.close()
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    with atomic_text_write(path) as handle:
+        handle.write(text)
 
 
 DIGEST_BLOCK = 1 << 20  # bytes read at a time when fingerprinting a file

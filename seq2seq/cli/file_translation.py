@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import io
 import itertools
 import sys
 from collections.abc import Iterable, Iterator
@@ -20,7 +19,7 @@ from tqdm import tqdm
 from seq2seq.data.sources import chunked, decode_lines, read_lines
 from seq2seq.decoding import DecodeConfig
 from seq2seq.errors import UserInputError
-from seq2seq.files import atomic_write, check_new_file, input_problem, read_once
+from seq2seq.files import atomic_text_write, check_new_file, input_problem, read_once
 from seq2seq.inference.admission import Names
 from seq2seq.inference.engine import Translation
 from seq2seq.inference.glossary import Glossary, constraint_fields, merged_constraints
@@ -226,14 +225,13 @@ def _pairs(src: Path, tgt: Path) -> Iterator[tuple[str, str]]:
 
 @contextlib.contextmanager
 def _output(output: str) -> Iterator[TextIO]:
-    """stdout, or a file that appears under its name only once every line is written."""
+    """stdout, or a file (gzip where its name ends in .gz) that appears under its name only once every
+    line is written."""
     if output == "-":
         yield sys.stdout
         return
-    with atomic_write(output) as handle:
-        text = io.TextIOWrapper(handle, encoding="utf-8", write_through=True)
+    with atomic_text_write(output) as text:
         yield text
-        text.detach()  # atomic_write closes the file
 
 
 def _check_whole_input(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gzip
 import json
 import os
 import re
@@ -328,6 +329,32 @@ def test_an_output_that_is_a_pipe_or_device_is_written_into_not_replaced(trained
                         f"/dev/fd/{redirected.fileno()}")  # fmt: skip
     assert result.exit_code == 0, result.output
     assert log.read_text(encoding="utf-8") == "kept\n" + expected
+
+
+def test_outputs_named_gz_are_gzip_files_that_the_commands_read_back(trained_run, tmp_path):
+    """Every command reads a file named .gz as gzip; translate -o, score-pairs -o and eval --hyps
+    wrote plain text under such a name, which `score --hyp out.gz` then refused as not gzip."""
+    _, _, run_dir, data = trained_run
+    checkpoint = run_dir / "checkpoints" / "last.pt"
+    src, tgt = data / "test.en", data / "test.xx"
+    expected = invoke("translate", "-c", checkpoint, "-i", src, "--beam", "1").stdout
+    translated = invoke("translate", "-c", checkpoint, "-i", src, "--beam", "1", "-o", tmp_path / "out.gz")
+    assert translated.exit_code == 0, translated.output
+    assert gzip.decompress((tmp_path / "out.gz").read_bytes()).decode("utf-8") == expected
+    (tmp_path / "out.txt").write_text(expected, encoding="utf-8")
+    scored = [
+        invoke("score", "--hyp", tmp_path / name, "--ref", tgt, "--metrics", "bleu") for name in ("out.gz", "out.txt")
+    ]
+    assert scored[0].exit_code == 0 and scored[0].stdout == scored[1].stdout
+    evaluated = invoke("eval", "-c", checkpoint, "--src", src, "--ref", tgt, "--beam", "1", "--hyps", tmp_path / "h.gz")
+    assert evaluated.exit_code == 0, evaluated.output
+    assert gzip.decompress((tmp_path / "h.gz").read_bytes()).decode("utf-8") == expected
+    pairs = invoke("score-pairs", "-c", checkpoint, "--src", src, "--tgt", tgt, "-o", tmp_path / "pairs.gz")
+    assert pairs.exit_code == 0, pairs.output
+    assert (
+        gzip.decompress((tmp_path / "pairs.gz").read_bytes()).decode("utf-8")
+        == invoke("score-pairs", "-c", checkpoint, "--src", src, "--tgt", tgt).stdout
+    )
 
 
 def test_eval_prints_signatures_and_writes_json(trained_run, tmp_path):
