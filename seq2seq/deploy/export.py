@@ -74,6 +74,7 @@ class ParityReport:
     max_bleu_drop: float
     device: str = "cpu"  # where the export was decoded: float16 on a GPU where there is one
     gpu_unusable: str = ""  # why CTranslate2 could not decode it on the GPU that torch sees
+    computed_in: str = ""  # CTranslate2's compute type there: float32 for float16 on a CPU, say
 
     @property
     def failures(self) -> list[str]:
@@ -96,15 +97,27 @@ class ParityReport:
         )
 
     def _where(self) -> str:
+        """Where the gate decoded the export, and in what, where CTranslate2 computed it in other
+        weights than its quantization (what users on this device will run, so the line says it)."""
+        converted = _weights(self.computed_in) != _weights(self.quantization)
+        computed = f" in {self.computed_in}" if self.computed_in and converted else ""
         if self.device != "cpu":
-            return f"; the export decoded on {self.device}"
-        if self.quantization in GPU_QUANTIZATIONS:  # CTranslate2 computes it in float32 on a CPU
+            return f"; the export decoded on {self.device}{computed}"
+        if not computed:
+            return ""
+        if self.quantization in GPU_QUANTIZATIONS:
             why = f"CTranslate2 cannot use the GPU here ({self.gpu_unusable})" if self.gpu_unusable else "no GPU here"
-            return f"; {why}: the {self.quantization} export decoded in float32 on the CPU"
-        return ""
+        else:
+            why = f"CTranslate2 has no {self.quantization} kernels for this CPU"
+        return f"; {why}: the {self.quantization} export decoded{computed} on the CPU"
 
     def to_dict(self) -> dict:
         return {**dataclasses.asdict(self), "passed": not self.failures}
+
+
+def _weights(compute_type: str) -> str:
+    """The weights' format of a CTranslate2 compute type: int8_float32 computes int8 weights, as int8 does."""
+    return compute_type.split("_")[0]
 
 
 def export_checkpoint(
@@ -223,6 +236,7 @@ def parity(
         max_bleu_drop=max_bleu_drop,
         device=device,
         gpu_unusable=gpu_unusable,
+        computed_in=exported.computes_in,
     )
 
 

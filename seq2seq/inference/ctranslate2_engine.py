@@ -130,6 +130,12 @@ class CTranslate2Engine:
         self.source_model, self.target_model, self.max_positions = src, tgt, max_positions
         self.never_emitted = [[tgt.id_to_piece(token)] for token in NEVER_EMITTED]  # as our search bans them
 
+    @property
+    def computes_in(self) -> str:
+        """The compute type CTranslate2 chose on this device: it converts one that the device has no
+        kernels for (float16 on a CPU, int16 on a CPU without them) and says so only in a log line."""
+        return self.runtime.compute_type
+
     def translate(
         self,
         lines: list[str],

@@ -68,6 +68,7 @@ class Engine(Protocol):
     constrained_search: bool  # terminology constraints
     shortlisted: bool  # outputs held to a lexical shortlist (shortlist.py)
     max_positions: int | None  # the longest source (EOS included) and output its model places; None: any
+    computes_in: str  # the number format of its weights' products: "float32", CTranslate2's "int8_float32"
     source_model: SentencePieceProcessor
     target_model: SentencePieceProcessor
 

@@ -33,6 +33,10 @@ class PyTorchEngine:
         self.shortlisted = shortlist is not None
         self.source_model, self.target_model = tokenizer.src_model, tokenizer.tgt_model
 
+    @property
+    def computes_in(self) -> str:
+        return str(next(self.model.parameters()).dtype).removeprefix("torch.")
+
     def translate(
         self,
         lines: list[str],

@@ -50,6 +50,12 @@ class Translator:
         """The longest source and output (in pieces) the model places; None: any."""
         return self._engine.max_positions
 
+    @property
+    def computes_in(self) -> str:
+        """The number format the model's products run in: "float32", or an export's CTranslate2 compute
+        type on this device, which may differ from its quantization (export.py's parity line says so)."""
+        return self._engine.computes_in
+
     @classmethod
     def load(
         cls, path: str | Path | list[str | Path], *, device: str | None = None, shortlist: str | Path | None = None

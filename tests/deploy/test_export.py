@@ -208,6 +208,7 @@ def test_int8_export_reports_what_it_measured_and_refuses_a_real_drop(learned_ch
     assert int8_bleu == pytest.approx(translate_and_score(int8, sources, references).scores.bleu)
     assert ours_bleu > 30 and ours_bleu - int8_bleu <= 1.0 and parity["passed"]
     assert f"BLEU {ours_bleu:.2f} -> {int8_bleu:.2f}" in result.stdout
+    assert "decoded in" not in result.stdout  # int8 runs as int8_float32 on a CPU: the same int8 weights
     scrambled_spec(monkeypatch)
     result = invoke("export", path, "-o", tmp_path / "wrong", "--quantization", "int8")
     assert result.exit_code == 1 and "export refused: BLEU dropped by" in result.stderr
@@ -256,6 +257,19 @@ def test_a_float16_export_without_a_gpu_says_the_gate_checked_it_in_float32(lear
     parity, printed = export_float16(learned_checkpoint, tmp_path)
     assert parity["passed"] and parity["device"] == "cpu"
     assert "no GPU here: the float16 export decoded in float32 on the CPU" in printed
+
+
+@pytest.mark.skipif(
+    "int16" in ctranslate2.get_supported_compute_types("cpu"), reason="CTranslate2 has int16 kernels for this CPU"
+)
+def test_an_int16_export_on_a_cpu_without_int16_kernels_says_what_the_gate_decoded_it_in(learned_checkpoint, tmp_path):
+    """CTranslate2 converts int16 weights to int8 where the CPU has no int16 kernels, with only a log
+    line: the parity line says that the int16 model was checked, and will run here, as int8."""
+    result = invoke("export", learned_checkpoint[0], "-o", tmp_path / "int16", "--quantization", "int16")
+    assert result.exit_code == 0, result.output
+    parity = json.loads((tmp_path / "int16" / EXPORT_METADATA).read_text())["parity"]
+    assert parity["passed"] and parity["computed_in"] == "int8_float32"
+    assert "CTranslate2 has no int16 kernels for this CPU: the int16 export decoded in int8_float32" in result.stdout
 
 
 @pytest.mark.gpu
