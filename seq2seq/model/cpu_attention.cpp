@@ -215,8 +215,11 @@ struct Task {
 
 // The most scores a forward task holds at once where it keeps none (4 MB): a long sentence's queries
 // take turns in blocks of rows, so that its scratch grows with its length, not with its square (a
-// line of 100,000 pieces asked for 40 GB a head). Each query's row is computed alone, so the blocks
-// give the same bits as the whole.
+// line of 100,000 pieces asked for 40 GB a head). A block holds a whole number of the products'
+// register blocks of kBlockRows rows, so that each query's row is computed by the same register
+// block, over the same depth, as in the whole task, and the blocks give the same bits as the whole
+// (blocks of 949 rows put row 948 in a register block of its own, whose sums, on an AVX2 build,
+// differed in the last bit from those of the 6-row block that holds it in the whole task).
 constexpr int64_t kScoreFloats = int64_t{1} << 20;
 
 // Scratch floats of one thread, grown to the largest task it meets. A task asks for all it needs
@@ -557,7 +560,8 @@ void forward_task(const Task& t, const T* q, int64_t q_stride, const T* k, int64
   }
 #endif
   const int64_t dim = t.padded_dim, keys = t.padded_keys;
-  const int64_t block = kept ? t.queries : std::min(t.queries, std::max(kBlockRows, kScoreFloats / keys));
+  const int64_t block =
+      kept ? t.queries : std::min(t.queries, std::max<int64_t>(1, kScoreFloats / keys / kBlockRows) * kBlockRows);
   scratch.start(2 * block * dim + 2 * dim * keys + (kept ? 0 : block * keys));
   float* query = scratch.take(block * dim);
   float* keys_t = scratch.take(dim * keys);  // (head_dim, keys): scores = query keys_t
