@@ -45,14 +45,14 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
     config = _build_checked(raw, origin=str(path), overridden=overridden)
     corpora = [*config.data.training_corpora(), ("data.valid", config.data.valid), ("data.test", config.data.test)]
     missing = [
-        (f"{where}.{key}", f"{problem}: {file}")
+        (f"{where}.{key}", problem)
         for where, corpus in corpora
         if corpus is not None
         for key, file in corpus.files().items()
         if (problem := _data_path_problem(Path(file), folder_allowed=corpus.format == "hf"))
     ]
     missing += [
-        (f"tokenizer.model_files[{index}]", f"{problem}: {file}")
+        (f"tokenizer.model_files[{index}]", problem)
         for index, file in enumerate(config.tokenizer.model_files)
         if (problem := _data_path_problem(Path(file), folder_allowed=False))
     ]
@@ -106,12 +106,16 @@ def _repeated_key(node: yaml.Node, prefix: str) -> tuple[str, int, int] | None:
 
 
 def _data_path_problem(path: Path, *, folder_allowed: bool) -> str:
+    """What is wrong with a data file the config names, with its path ("" if nothing). A relative
+    path is read from where the command runs, not from the config's folder: a missing one says where
+    it was looked for, since a config run from another folder misses all its files at once."""
     if not path.exists():
-        return "file not found"
+        where = "" if path.is_absolute() else f" (relative to {Path.cwd()}, where the command runs)"
+        return f"file not found: {path}{where}"
     if path.is_dir() and not folder_allowed:
-        return "is a directory; expected a text file"
+        return f"is a directory; expected a text file: {path}"
     if read_once(path):  # training reads its data more than once: a pipe read again is empty, or waits forever
-        return "is a pipe or device, which can be read only once; expected a regular file"
+        return f"is a pipe or device, which can be read only once; expected a regular file: {path}"
     return ""
 
 

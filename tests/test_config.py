@@ -96,6 +96,22 @@ def test_missing_data_file_is_named(tmp_path, tiny_data):
     assert error_of(path) == f"{path}: data.valid.tgt: file not found: {tmp_path / 'nope.xx'}"
 
 
+def test_a_missing_relative_path_says_where_it_was_looked_for(tmp_path, tiny_data, monkeypatch):
+    """Relative paths are read from where the command runs: a config run from another folder than
+    the one its paths start from misses its files, and the line says which folder was searched."""
+    raw = tiny_config_dict(tiny_data)
+    raw["data"]["valid"]["tgt"] = "corpus/valid.xx"
+    (tmp_path / "project" / "corpus").mkdir(parents=True)
+    (tmp_path / "project" / "corpus" / "valid.xx").write_text("found from the project folder\n")
+    path = write(tmp_path, raw)
+    monkeypatch.chdir(tmp_path / "project")
+    load_config(path)  # run from the folder the path starts from, it is found
+    monkeypatch.chdir(tmp_path)
+    assert error_of(path) == (
+        f"{path}: data.valid.tgt: file not found: corpus/valid.xx (relative to {tmp_path}, where the command runs)"
+    )
+
+
 def test_a_missing_file_given_by_set_names_the_flag_not_the_config(tmp_path, tiny_data):
     path = write(tmp_path, tiny_config_dict(tiny_data))
     with pytest.raises(UserInputError) as caught:
