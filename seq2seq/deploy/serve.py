@@ -164,6 +164,9 @@ def _check_headers(request: Request, authorized: bool) -> None:
     media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
     if media_type != "application/json":
         raise RequestError(415, f"content-type {shortened(media_type or 'missing')}; expected application/json")
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding != "identity":  # read as it stands, a gzip body was "not UTF-8", and a plain one served as if
+        raise RequestError(415, f"content-encoding {shortened(encoding)}; expected an uncompressed body")
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -181,11 +184,12 @@ async def _read_body(request: Request, limit: int) -> bytes:
 
 
 def _json(raw: bytes) -> object:
-    """The body parsed, or a 400. JSON's escapes can spell a lone surrogate (\\ud800), a string that
-    UTF-8 cannot carry: SentencePiece, and an answer that names it, would fail on it; writing the
-    body out again in UTF-8 finds one in any value or key."""
+    """The body parsed, or a 400 that says what in it is not JSON, in the client's terms (never
+    Python's advice, such as its digit limit's sys.set_int_max_str_digits). JSON's escapes can spell
+    a lone surrogate (\\ud800), a string that UTF-8 cannot carry: SentencePiece, and an answer that
+    names it, would fail on it; writing the body out again in UTF-8 finds one in any value or key."""
     try:
-        body = json.loads(raw, object_pairs_hook=_once_each)
+        body = json.loads(raw.decode("utf-8"), object_pairs_hook=_once_each, parse_constant=_not_a_json_number)
         json.dumps(body, ensure_ascii=False).encode("utf-8")
     except RecursionError:
         raise RequestError(400, "malformed JSON: nested too deeply") from None
@@ -195,9 +199,18 @@ def _json(raw: bytes) -> object:
             "malformed JSON: a string holds a lone surrogate (such as \\ud800); expected Unicode text, "
             "surrogates only in pairs",
         ) from None
-    except (ValueError, UnicodeDecodeError) as error:
+    except UnicodeDecodeError as error:
+        raise RequestError(400, f"malformed JSON: byte {error.start} is not UTF-8; expected UTF-8 text") from None
+    except json.JSONDecodeError as error:  # its message names what it expected, and where
         raise RequestError(400, f"malformed JSON: {error}") from None
+    except ValueError:  # Python's limit on an integer's digits
+        raise RequestError(400, "malformed JSON: a number with too many digits to read") from None
     return body
+
+
+def _not_a_json_number(constant: str) -> float:
+    """Python's parser reads NaN, Infinity and -Infinity, which JSON has no place for."""
+    raise RequestError(400, f"malformed JSON: {constant} is not a JSON number")
 
 
 def _once_each(pairs: list[tuple[str, object]]) -> dict[str, object]:

@@ -4,6 +4,7 @@ Python API's, concurrent requests are batched, bad requests get JSON errors, SIG
 from __future__ import annotations
 
 import contextlib
+import gzip
 import json
 import logging
 import signal
@@ -200,7 +201,12 @@ def test_a_lines_samples_are_the_same_alone_or_batched_with_another_clients(trai
     ("body", "status", "fragment"),
     [
         (b'{"lines": ["a"', 400, "malformed JSON"),
-        (b"\xff\xfe", 400, "malformed JSON"),
+        (b"\xff\xfe", 400, "malformed JSON: byte 0 is not UTF-8; expected UTF-8 text"),
+        # Python's parser reads NaN and Infinity, and refuses an integer of over 4,300 digits with advice
+        # on its own settings; a client is told what in its body is not JSON
+        (b'{"lines": ["a"], "length_penalty": NaN}', 400, "malformed JSON: NaN is not a JSON number"),
+        (b'{"lines": ["a"], "max_len_a": -Infinity}', 400, "malformed JSON: -Infinity is not a JSON number"),
+        (b'{"lines": ["a"], "beam": 1' + b"0" * 5000 + b"}", 400, "malformed JSON: a number with too many digits"),
         # JSON escapes lone surrogates (\ud800) into strings that UTF-8 cannot carry, in a value or a key
         (b'{"lines": ["the \\ud800 cat"]}', 400, "malformed JSON: a string holds a lone surrogate"),
         (b'{"lines": ["a"], "\\udc80": 1}', 400, "malformed JSON: a string holds a lone surrogate"),
@@ -492,6 +498,23 @@ def test_only_a_json_body_is_accepted(content_type):
         charset = client.post("/translate", content=b'{"lines": ["a"]}',
                               headers={"content-type": "application/json; charset=utf-8"})  # fmt: skip
         assert charset.status_code == 200
+
+
+def test_a_compressed_body_is_refused_by_its_content_encoding():
+    """The server reads bodies as they stand: a gzip body was called malformed JSON ("not UTF-8"), and a
+    plain body under a gzip header was served as if the header were not there."""
+    engine = StalledEngine()
+    engine.release.set()
+    body = b'{"lines": ["a"]}'
+    with app_client(engine) as client:
+        for content in (gzip.compress(body), body):
+            headers = {"content-type": "application/json", "content-encoding": "gzip"}
+            response = client.post("/translate", content=content, headers=headers)
+            assert response.status_code == 415
+            assert response.json()["error"] == 'content-encoding "gzip"; expected an uncompressed body'
+        assert engine.calls == 0
+        identity = {"content-type": "application/json", "content-encoding": "identity"}
+        assert client.post("/translate", content=body, headers=identity).status_code == 200
 
 
 def test_an_api_key_is_required_when_set_and_health_tells_strangers_nothing():
