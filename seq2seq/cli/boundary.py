@@ -57,7 +57,8 @@ class OneLineUsageErrors(TyperGroup):
 
 def _argument_hint(error: UsageError) -> str:
     """For an unknown option that names one of the command's arguments (`train --config x.yaml`, as
-    Marian and eole spell it; `export --checkpoint`), how the argument is given here."""
+    Marian and eole spell it; `export --checkpoint`), how the argument is given here; for one of
+    seq2seq's own options given after the command (`seq2seq translate -q`), where it goes."""
     if not isinstance(error, NoSuchOption) or error.ctx is None:
         return ""
     wanted = error.option_name.lstrip("-").replace("-", "_")
@@ -65,6 +66,15 @@ def _argument_hint(error: UsageError) -> str:
         if param.param_type_name == "argument" and param.name == wanted:
             name = param.name.upper()
             return f"; {name} is an argument, given without a flag: {error.ctx.command_path} {name}"
+    root = error.ctx.find_root()
+    for param in root.command.params if root is not error.ctx else ():
+        if error.option_name in param.opts:
+            given = error.option_name if param.is_flag else f"{error.option_name} {param.name.upper()}"
+            subcommand = error.ctx.command_path.removeprefix(root.command_path).strip()
+            return (
+                f"; {error.option_name} is an option of {root.command_path} itself, given before the "
+                f"command: {root.command_path} {given} {subcommand}"
+            )
     return ""
 
 

@@ -357,6 +357,12 @@ CASES = {
         lambda w: ["train", "--config", w.config, "--run-dir", w.root / "tc"],
         lambda w: ["No such option: --config", "CONFIG is an argument, given without a flag: ", " train CONFIG"],
         not_created=lambda w: [w.root / "tc"]),
+    "translate -q, an option of seq2seq itself after the command": Case(
+        lambda w: ["translate", "-c", w.checkpoint, "-q"],
+        lambda w: ["No such option: -q", "itself, given before the command: ", " -q translate"]),
+    "eval --log-level after the command": Case(
+        lambda w: ["eval", "-c", w.checkpoint, "--log-level", "error"],
+        lambda w: ["No such option: --log-level", " --log-level LOG_LEVEL eval"]),
     "demo --config missing": Case(lambda w: ["demo", "--config", w.missing, "--run-dir", w.root / "d"],
                                   lambda w: [str(w.missing), "config file not found"]),
 }  # fmt: skip
