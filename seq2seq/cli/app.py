@@ -18,6 +18,7 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,  # help texts are plain text: "[default: ...]" must not be read as markup
+    context_settings={"help_option_names": ["-h", "--help"]},  # -h as in sacrebleu, fairseq and Marian
 )
 tokenizer_app = typer.Typer(help="SentencePiece tokenizer commands.", no_args_is_help=True)
 app.add_typer(tokenizer_app, name="tokenizer")

@@ -66,6 +66,7 @@ def test_help_lists_every_command_with_examples():
     ):
         sub = invoke(*command, "--help")
         assert sub.exit_code == 0 and "Example" in sub.output
+        assert invoke(*command, "-h").output == sub.output  # -h, as sacrebleu, fairseq and Marian take it
 
 
 def test_the_set_example_in_each_commands_help_is_one_that_command_accepts(tmp_path, tiny_data):
