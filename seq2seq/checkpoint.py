@@ -233,6 +233,34 @@ def numbered_checkpoints(folder: Path) -> list[Path]:
     return sorted(folder.glob("step_*.pt")) if folder.is_dir() else []
 
 
+def checkpoints_to_average(paths: list[Path], last: int | None = None) -> list[Path]:
+    """The checkpoint files `seq2seq average` is given: files as named, and a run directory (or its
+    checkpoints/ folder) as its numbered checkpoints, oldest first, or the newest `last` of them
+    (fairseq's --num-update-checkpoints). A directory is never its best.pt here: the mean of one
+    checkpoint is that checkpoint."""
+    if last is not None and (len(paths) != 1 or not paths[0].is_dir()):
+        raise UserInputError(f"--last {last}: picks from one run directory's numbered checkpoints; "
+                             f"got {len(paths)} path(s): {', '.join(map(str, paths))}")  # fmt: skip
+    files: list[Path] = []
+    for path in paths:
+        if not path.is_dir():
+            files.append(path)
+            continue
+        saves = numbered_checkpoints(path / "checkpoints") or numbered_checkpoints(path)
+        if not saves:
+            raise UserInputError(
+                f"{path}: a directory without numbered checkpoints (checkpoints/step_*.pt); expected a run "
+                "directory that has saved some, or checkpoint files"
+            )
+        if last is not None and len(saves) < last:
+            raise UserInputError(
+                f"{path}: {len(saves)} numbered checkpoint(s) ({', '.join(save.name for save in saves)}); "
+                f"--last {last} expected at least {last} (a run keeps train.keep_last of them)"
+            )
+        files.extend(saves[-last:] if last is not None else saves)
+    return files
+
+
 def _link_latest(path: Path, latest: Path) -> None:
     """Point `latest` (e.g. last.pt) at `path` atomically, as a hard link: no second copy is written."""
     tmp = latest.with_name(f".{latest.name}.tmp")

@@ -170,19 +170,31 @@ def serve(
 @app.command()
 @user_errors
 def average(
-    checkpoints: Annotated[list[Path], typer.Argument(help="Checkpoints to average (e.g. the last 5).")],
+    checkpoints: Annotated[
+        list[Path],
+        typer.Argument(help="Checkpoints to average, or a run directory: its numbered checkpoints (step_*.pt)."),
+    ],
     output: Annotated[Path, typer.Option("--output", "-o", help="Where to write the averaged checkpoint.")],
+    last: Annotated[
+        Optional[int],  # noqa: UP045 - typer needs Optional here
+        typer.Option("--last", min=1, help="Of a run directory's numbered checkpoints, the newest N only."),
+    ] = None,
 ) -> None:
     """Average the parameters of several checkpoints of one run (Vaswani et al. averaged the last 5).
 
-    Example: seq2seq average runs/demo/checkpoints/step_*.pt -o runs/demo/checkpoints/avg.pt
+    Examples:
+      seq2seq average runs/demo --last 5 -o runs/demo/checkpoints/avg.pt
+      seq2seq average runs/demo/checkpoints/step_00000400.pt runs/demo/checkpoints/step_00000500.pt -o avg.pt
     """
-    from seq2seq.checkpoint import average_checkpoints
+    from seq2seq.checkpoint import average_checkpoints, checkpoints_to_average
     from seq2seq.files import check_new_file
 
     check_new_file(output, what="output checkpoint")  # -o naming one of the checkpoints would replace it
-    average_checkpoints(checkpoints, output)
-    typer.echo(f"averaged {len(checkpoints)} checkpoint{'s' if len(checkpoints) > 1 else ''} -> {output}")
+    files = checkpoints_to_average(checkpoints, last)
+    average_checkpoints(files, output)
+    named = ", ".join(str(path) for path in files) if any(path.is_dir() for path in checkpoints) else None
+    typer.echo(f"averaged {len(files)} checkpoint{'s' if len(files) > 1 else ''}"
+               f"{f' ({named})' if named else ''} -> {output}")  # fmt: skip
 
 
 @app.command()

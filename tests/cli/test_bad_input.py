@@ -314,6 +314,14 @@ CASES = {
     "average a junk checkpoint": Case(lambda w: ["average", w.checkpoint, w.junk, "-o", w.root / "avg.pt"],
                                       lambda w: [str(w.junk), "not a readable seq2seq checkpoint"],
                                       not_created=lambda w: [w.root / "avg.pt"]),
+    "average --last past a run's saves": Case(
+        lambda w: ["average", w.run, "--last", "9", "-o", w.root / "avg9.pt"],
+        lambda w: [f"{w.run}: ", "numbered checkpoint(s)", "--last 9 expected at least 9", "train.keep_last"],
+        not_created=lambda w: [w.root / "avg9.pt"]),
+    "average a folder without numbered checkpoints": Case(
+        lambda w: ["average", w.folder, "-o", w.root / "avgf.pt"],
+        lambda w: [str(w.folder), "a directory without numbered checkpoints"],
+        not_created=lambda w: [w.root / "avgf.pt"]),
     "plot a folder without metrics": Case(lambda w: ["plot", w.folder],
                                           lambda w: [str(w.folder), "no metrics.jsonl; expected a run directory"]),
     "plot a run directory that does not exist": Case(lambda w: ["plot", w.nowhere.parent],

@@ -22,6 +22,7 @@ import typer
 import yaml
 from typer.testing import CliRunner
 
+from seq2seq.checkpoint import Checkpoint
 from seq2seq.cli.main import app
 from seq2seq.config_files import decode_config_with, load_config
 from seq2seq.decoding import DecodeConfig
@@ -407,6 +408,17 @@ def test_average_plot_and_attention_plot(trained_run, tmp_path):
     assert result.stdout == f"averaged {len(steps)} checkpoints -> {tmp_path / 'avg.pt'}\n" and len(steps) > 1
     result = invoke("average", steps[0], "-o", tmp_path / "one.pt")
     assert result.stdout == f"averaged 1 checkpoint -> {tmp_path / 'one.pt'}\n"
+    result = invoke("average", run_dir, "-o", tmp_path / "run.pt")  # a run directory: its numbered checkpoints
+    assert (
+        result.exit_code == 0 and f"averaged {len(steps)} checkpoints ({', '.join(map(str, steps))})" in result.stdout
+    )
+    explicit, whole_run = Checkpoint.load(tmp_path / "avg.pt").model, Checkpoint.load(tmp_path / "run.pt").model
+    assert all(torch.equal(explicit[name], whole_run[name]) for name in explicit)
+    result = invoke("average", run_dir, "--last", "1", "-o", tmp_path / "newest.pt")  # the newest save alone
+    assert result.exit_code == 0 and f"averaged 1 checkpoint ({steps[-1]})" in result.stdout
+    newest, averaged = Checkpoint.load(steps[-1]).model, Checkpoint.load(tmp_path / "newest.pt").model
+    assert all(torch.equal(averaged[name], newest[name]) for name in newest)
+    assert not all(torch.equal(averaged[name], explicit[name]) for name in explicit)
     result = invoke("plot", run_dir)
     assert result.exit_code == 0, result.output
     for name in ("loss", "bleu", "lr", "memory"):
