@@ -1,25 +1,31 @@
 """What `seq2seq translate` and `seq2seq score-pairs` do with files: read the input (and its
 guidance files) a chunk at a time, check the whole of it before any work where a line could be
-refused, translate or score each chunk with a Translator, and write the output atomically.
+refused, translate or score each chunk with a Translator, and write the output atomically (a file's
+translation keeps its finished chunks until the output is whole: translation_chunks.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import io
 import itertools
+import logging
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
 from tqdm import tqdm
 
+from seq2seq.cli.boundary import Terminated
+from seq2seq.cli.translation_chunks import TranslationChunks, work_identity
 from seq2seq.data.sources import chunked, decode_lines, read_lines
 from seq2seq.decoding import DecodeConfig
 from seq2seq.errors import UserInputError
-from seq2seq.files import atomic_text_write, check_new_file, input_problem, read_once
+from seq2seq.files import atomic_text_write, check_new_file, input_problem, read_once, written_as_it_comes
 from seq2seq.inference.admission import Names
 from seq2seq.inference.engine import Translation
 from seq2seq.inference.glossary import Glossary, constraint_fields, merged_constraints
@@ -30,6 +36,8 @@ from seq2seq.progress import progress_bar
 # long it is; within a chunk, lines are sorted by length into batches.
 FILE_CHUNK_LINES = 10_000
 ATTENTION_PLOT_LINES = 5  # the first lines of the input get heatmaps with --attention-plot
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -133,22 +141,68 @@ def translate_file(
     rows = guides.aligned(lines_in)
     chunks = ([row] for row in rows) if stream else chunked(rows, FILE_CHUNK_LINES)
     first_chunk = next(chunks, [])
+    numbered = _numbered(itertools.chain([first_chunk], chunks))
+    translated = functools.partial(_translated, translator, decode=decode, glossary=glossary, guided=guided)
     # the bar is closed however translation ends, so that an error's line starts a line of its own
     with progress_bar(total=total, desc="translate", unit="sent", enabled=not (source == "-" or stream)) as bar:
-        results = (
-            result
-            for chunk, first in _numbered(itertools.chain([first_chunk], chunks))
-            for result in _translated(
-                translator, chunk, decode, bar, glossary, guided=guided, names=dataclasses.replace(names, first=first)
+        if rereadable and not stream and output != "-" and not written_as_it_comes(output):
+            inputs = {"input": Path(source), "--prefix": guides.prefixes, "--constraints": guides.constraints,
+                      "--glossary": guides.glossary, "--shortlist": shortlist}  # fmt: skip
+            # batch_tokens decides the batches, not a line's translation: a run out of memory continues with fewer
+            settings = {"decode": {**dataclasses.asdict(decode), "batch_tokens": None}, "chunk_lines": FILE_CHUNK_LINES}
+            kept = TranslationChunks(Path(output), work_identity(_models(model), inputs, settings))
+            _translate_resumably(kept, numbered, translated, names, bar, nbest=decode.nbest > 1)
+        else:
+            results = (
+                result
+                for chunk, first in numbered
+                for result in translated(chunk, bar=bar, names=dataclasses.replace(names, first=first))
             )
-        )
-        with _output(output) as sink:
-            _write(sink, results, nbest=decode.nbest > 1, flush=stream)
+            with _output(output) as sink:
+                _write(sink, results, nbest=decode.nbest > 1, flush=stream)
     if attention_plot is None or not first_chunk:
         return []
     return translator.plot_attention(
         [line for line, _, _ in first_chunk[:ATTENTION_PLOT_LINES]], attention_plot, decode
     )
+
+
+def _models(model: Path | list[Path]) -> list[Path]:
+    return [Path(path) for path in model] if isinstance(model, list) else [Path(model)]
+
+
+def _translate_resumably(
+    kept: TranslationChunks,
+    numbered: Iterable[tuple[list, int]],
+    translated: Callable[..., Iterator[Translation]],
+    names: Names,
+    bar: tqdm,
+    *,
+    nbest: bool,
+) -> None:
+    """Translate chunk by chunk into `kept`, skipping the chunks an interrupted run of the same work
+    translated, then write the output from them; an interruption says what is kept."""
+    before, chunks, done = kept.open(), 0, 0
+    try:
+        for index, (chunk, first) in enumerate(numbered):
+            if index == before and before:
+                log.info("%s: the first %s lines were translated before; translating the rest", kept.folder,
+                         f"{first:,}")  # fmt: skip
+            if not kept.has(index):
+                text = io.StringIO()
+                results = translated(chunk, bar=bar, names=dataclasses.replace(names, first=first))
+                _write(text, results, nbest=nbest, flush=False, first=first)
+                kept.save(index, text.getvalue())
+            else:
+                bar.update(len(chunk))
+            chunks, done = index + 1, first + len(chunk)
+    except (KeyboardInterrupt, Terminated) as stop:
+        if done:
+            stop.hint = f"the first {done:,} lines translated are kept in {kept.folder}: the same command continues"
+        else:  # stopped in its first chunk: nothing to keep
+            kept.discard()
+        raise
+    kept.finish(chunks)
 
 
 def _check_attention_folder(folder: Path) -> None:
@@ -254,10 +308,10 @@ def _check_whole_input(
     return count
 
 
-def _write(sink: TextIO, results: Iterable[Translation], *, nbest: bool, flush: bool) -> None:
-    """One line per translation, or with n-best `index ||| text ||| score` lines (an empty input line
-    keeps its row: the empty translation)."""
-    for index, result in enumerate(results):
+def _write(sink: TextIO, results: Iterable[Translation], *, nbest: bool, flush: bool, first: int = 0) -> None:
+    """One line per translation, or with n-best `index ||| text ||| score` lines, the index of the
+    input line counted from `first` (an empty input line keeps its row: the empty translation)."""
+    for index, result in enumerate(results, first):
         if nbest:
             sink.writelines(f"{index} ||| {text} ||| {value:.4f}\n" for text, value in result.nbest or [("", 0.0)])
         else:
@@ -287,10 +341,10 @@ def _guidance(
 def _translated(
     translator: Translator,
     rows: list[tuple[str, str, list[str]]],
+    *,
     decode: DecodeConfig,
     bar: tqdm,
     glossary: Glossary | None,
-    *,
     guided: bool,
     names: Names,
 ) -> Iterator[Translation]:
