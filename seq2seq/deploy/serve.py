@@ -19,9 +19,9 @@ until the worker has let it go, so the queue bound holds.
 Answers: 401 without the API key (when one is set), 415 for a body that is not JSON, 400 for
 malformed JSON, 413 for a request over a size or work limit (the body is counted while it is read),
 422 for a wrong field or value, 503 with Retry-After for a full queue or a request past its time,
-each with {"error": "..."}; a failure inside translation answers 500 without its details (they go to
-the server's log) and the server goes on. uvicorn stops cleanly on SIGTERM or Ctrl-C, after the
-requests in flight.
+404 and 405 for a path or method without a route, each with {"error": "..."}; a failure inside
+translation answers 500 without its details (they go to the server's log) and the server goes on.
+uvicorn stops cleanly on SIGTERM or Ctrl-C, after the requests in flight.
 """
 
 from __future__ import annotations
@@ -39,7 +39,9 @@ from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from seq2seq import __version__
 from seq2seq.deploy.batching import BatchingWorker
 from seq2seq.deploy.requests import (
     Job,
@@ -120,7 +122,8 @@ def create_app(
         yield
         service.worker.stop()
 
-    app = FastAPI(title="seq2seq", lifespan=lifespan)
+    app = FastAPI(title="seq2seq", version=__version__, lifespan=lifespan)
+    app.add_exception_handler(StarletteHTTPException, _routing_error)
 
     @app.get("/health")
     async def health(request: Request) -> dict:
@@ -222,6 +225,23 @@ def _once_each(pairs: list[tuple[str, object]]) -> dict[str, object]:
             raise RequestError(422, f"{shortened_name(key)}: given twice; expected each field once")
         fields[key] = value
     return fields
+
+
+ROUTES = "POST /translate, POST /score or GET /health"
+
+
+async def _routing_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+    """A path or method the server has no route for, answered as every other error ({"error": ...},
+    where FastAPI says {"detail": ...}), naming the routes there are."""
+    asked = f"{request.method} {shortened(request.url.path)}"
+    if error.status_code == 404:
+        message = f"no route for {asked}; expected {ROUTES}"
+    elif error.status_code == 405:
+        allowed = {name.lower(): value for name, value in (error.headers or {}).items()}.get("allow", "another")
+        message = f"{asked}: method not allowed; expected {allowed}"
+    else:
+        message = f"{asked}: {error.detail}"
+    return JSONResponse({"error": message}, status_code=error.status_code, headers=error.headers)
 
 
 def _error(status: int, message: str, *, retry: bool = False) -> JSONResponse:
