@@ -1,7 +1,7 @@
 """What `seq2seq translate` and `seq2seq score-pairs` do with files: read the input (and its
 guidance files) a chunk at a time, check the whole of it before any work where a line could be
 refused, translate or score each chunk with a Translator, and write the output atomically (a file's
-translation keeps its finished chunks until the output is whole: translation_chunks.py).
+translation keeps its finished chunks until the output is whole: output_chunks.py).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import TextIO
 from tqdm import tqdm
 
 from seq2seq.cli.boundary import Terminated
-from seq2seq.cli.translation_chunks import TranslationChunks, work_identity
+from seq2seq.cli.output_chunks import TranslationChunks, work_identity
 from seq2seq.data.sources import chunked, decode_lines, read_lines
 from seq2seq.decoding import DecodeConfig
 from seq2seq.errors import UserInputError

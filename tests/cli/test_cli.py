@@ -187,7 +187,7 @@ def test_an_interrupted_translation_is_continued_by_the_same_command_as_if_never
     """Ctrl-C after two chunks of a file: the chunks are kept beside the output, and the same command
     translates only the rest and writes what an uninterrupted run writes (samples drawn by line number,
     n-best rows numbered over the whole file), in smaller batches too; other settings begin again."""
-    from seq2seq.cli import file_translation, translation_chunks
+    from seq2seq.cli import file_translation, output_chunks
 
     _, _, run_dir, data = trained_run
     monkeypatch.setattr(file_translation, "FILE_CHUNK_LINES", 7)  # 30 lines: 5 chunks
@@ -201,7 +201,7 @@ def test_an_interrupted_translation_is_continued_by_the_same_command_as_if_never
     command = ["translate", "-c", run_dir, "-i", data / "test.en", *options]
     whole = invoke(*command, "-o", tmp_path / "whole.txt")
     assert whole.exit_code == 0, whole.output
-    saves, real_save = [], translation_chunks.TranslationChunks.save
+    saves, real_save = [], output_chunks.TranslationChunks.save
 
     def stopped_at_the_third(self, index, text):
         saves.append(index)
@@ -209,7 +209,7 @@ def test_an_interrupted_translation_is_continued_by_the_same_command_as_if_never
             raise KeyboardInterrupt
         real_save(self, index, text)
 
-    monkeypatch.setattr(translation_chunks.TranslationChunks, "save", stopped_at_the_third)
+    monkeypatch.setattr(output_chunks.TranslationChunks, "save", stopped_at_the_third)
     out, kept = tmp_path / "out.txt", tmp_path / ".out.txt.partial"
     stopped = invoke(*command, "-o", out)
     assert stopped.exit_code == 130 and not out.exists()
@@ -217,7 +217,7 @@ def test_an_interrupted_translation_is_continued_by_the_same_command_as_if_never
         stopped.stderr.splitlines()[-1]
         == f"interrupted; the first 14 lines translated are kept in {kept}: the same command continues"
     )
-    monkeypatch.setattr(translation_chunks.TranslationChunks, "save", real_save)
+    monkeypatch.setattr(output_chunks.TranslationChunks, "save", real_save)
     translated.clear()
     resumed = invoke(*command, "--set", "decode.batch_tokens=64", "-o", out)  # as after running out of memory
     assert resumed.exit_code == 0, resumed.output
@@ -226,10 +226,10 @@ def test_an_interrupted_translation_is_continued_by_the_same_command_as_if_never
     if "--nbest" in options:
         assert {int(row.split(" ||| ")[0]) for row in out.read_text().splitlines()} == set(range(30))
 
-    monkeypatch.setattr(translation_chunks.TranslationChunks, "save", stopped_at_the_third)
+    monkeypatch.setattr(output_chunks.TranslationChunks, "save", stopped_at_the_third)
     saves.clear()
     assert invoke(*command, "-o", tmp_path / "other.txt").exit_code == 130
-    monkeypatch.setattr(translation_chunks.TranslationChunks, "save", real_save)
+    monkeypatch.setattr(output_chunks.TranslationChunks, "save", real_save)
     translated.clear()
     again = invoke(*command, "--set", "decode.max_len_b=3", "-o", tmp_path / "other.txt")  # other settings
     assert again.exit_code == 0 and translated == [7, 7, 7, 7, 2], again.output
