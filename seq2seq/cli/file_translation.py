@@ -11,23 +11,21 @@ import dataclasses
 import functools
 import io
 import itertools
-import logging
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
 from tqdm import tqdm
 
-from seq2seq.cli.boundary import Terminated
-from seq2seq.cli.output_chunks import TranslationChunks, work_identity
+from seq2seq.cli.output_chunks import OutputChunks, kept_in_chunks, work_identity, write_in_chunks
 from seq2seq.data.sources import chunked, decode_lines, read_lines
 from seq2seq.decoding import DecodeConfig
 from seq2seq.errors import UserInputError
-from seq2seq.files import atomic_text_write, check_new_file, input_problem, read_once, written_as_it_comes
+from seq2seq.files import atomic_text_write, check_new_file, input_problem, read_once
 from seq2seq.inference.admission import Names
-from seq2seq.inference.engine import Translation
+from seq2seq.inference.engine import PairScore, Translation
 from seq2seq.inference.glossary import Glossary, constraint_fields, merged_constraints
 from seq2seq.inference.translator import Translator
 from seq2seq.progress import progress_bar
@@ -36,8 +34,6 @@ from seq2seq.progress import progress_bar
 # long it is; within a chunk, lines are sorted by length into batches.
 FILE_CHUNK_LINES = 10_000
 ATTENTION_PLOT_LINES = 5  # the first lines of the input get heatmaps with --attention-plot
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -145,13 +141,18 @@ def translate_file(
     translated = functools.partial(_translated, translator, decode=decode, glossary=glossary, guided=guided)
     # the bar is closed however translation ends, so that an error's line starts a line of its own
     with progress_bar(total=total, desc="translate", unit="sent", enabled=not (source == "-" or stream)) as bar:
-        if rereadable and not stream and output != "-" and not written_as_it_comes(output):
+        if rereadable and not stream and kept_in_chunks(output):
             inputs = {"input": Path(source), "--prefix": guides.prefixes, "--constraints": guides.constraints,
                       "--glossary": guides.glossary, "--shortlist": shortlist}  # fmt: skip
-            # batch_tokens decides the batches, not a line's translation: a run out of memory continues with fewer
-            settings = {"decode": {**dataclasses.asdict(decode), "batch_tokens": None}, "chunk_lines": FILE_CHUNK_LINES}
-            kept = TranslationChunks(Path(output), work_identity(_models(model), inputs, settings))
-            _translate_resumably(kept, numbered, translated, names, bar, nbest=decode.nbest > 1)
+            kept = OutputChunks(Path(output), work_identity(_models(model), inputs, _settings(decode)))
+
+            def text(chunk: list, first: int) -> str:
+                written = io.StringIO()
+                results = translated(chunk, bar=bar, names=dataclasses.replace(names, first=first))
+                _write(written, results, nbest=decode.nbest > 1, flush=False, first=first)
+                return written.getvalue()
+
+            write_in_chunks(kept, numbered, text, bar, done="lines translated")
         else:
             results = (
                 result
@@ -167,42 +168,14 @@ def translate_file(
     )
 
 
+def _settings(decode: DecodeConfig, **more) -> dict:
+    """The settings a chunk is made with. batch_tokens decides the batches, not a line's result: a run
+    that ran out of memory continues with fewer."""
+    return {"decode": {**dataclasses.asdict(decode), "batch_tokens": None}, "chunk_lines": FILE_CHUNK_LINES, **more}
+
+
 def _models(model: Path | list[Path]) -> list[Path]:
     return [Path(path) for path in model] if isinstance(model, list) else [Path(model)]
-
-
-def _translate_resumably(
-    kept: TranslationChunks,
-    numbered: Iterable[tuple[list, int]],
-    translated: Callable[..., Iterator[Translation]],
-    names: Names,
-    bar: tqdm,
-    *,
-    nbest: bool,
-) -> None:
-    """Translate chunk by chunk into `kept`, skipping the chunks an interrupted run of the same work
-    translated, then write the output from them; an interruption says what is kept."""
-    before, chunks, done = kept.open(), 0, 0
-    try:
-        for index, (chunk, first) in enumerate(numbered):
-            if index == before and before:
-                log.info("%s: the first %s lines were translated before; translating the rest", kept.folder,
-                         f"{first:,}")  # fmt: skip
-            if not kept.has(index):
-                text = io.StringIO()
-                results = translated(chunk, bar=bar, names=dataclasses.replace(names, first=first))
-                _write(text, results, nbest=nbest, flush=False, first=first)
-                kept.save(index, text.getvalue())
-            else:
-                bar.update(len(chunk))
-            chunks, done = index + 1, first + len(chunk)
-    except (KeyboardInterrupt, Terminated) as stop:
-        if done:
-            stop.hint = f"the first {done:,} lines translated are kept in {kept.folder}: the same command continues"
-        else:  # stopped in its first chunk: nothing to keep
-            kept.discard()
-        raise
-    kept.finish(chunks)
 
 
 def _check_attention_folder(folder: Path) -> None:
@@ -220,7 +193,7 @@ def _check_attention_folder(folder: Path) -> None:
 
 
 def score_file(
-    model: Path,
+    model: Path | list[Path],
     *,
     src: Path,
     tgt: Path,
@@ -232,7 +205,8 @@ def score_file(
     """`seq2seq score-pairs`: one line per pair, `score<TAB>log-probability<TAB>pieces` (with
     per_token, a fourth column: each piece's log-probability, EOS last), in input order; the files are
     counted before the model is loaded and read a chunk at a time. A stream (a pipe: read_once) is read
-    once, as it comes: its count and the pairs the model would refuse are found as it is scored."""
+    once, as it comes: its count and the pairs the model would refuse are found as it is scored. An
+    output file keeps its finished chunks until it is whole (output_chunks.py), as translate_file's."""
     for path in (src, tgt):
         if problem := input_problem(path):
             raise UserInputError(f"{path}: {problem}; expected a text file with one sentence per line")
@@ -252,16 +226,28 @@ def score_file(
             translator.plan_scoring(
                 [s for s, _ in chunk], [t for _, t in chunk], names=dataclasses.replace(names, first=first)
             )
-    pairs = chunked(_pairs(src, tgt), FILE_CHUNK_LINES)
-    with (
-        _output(output) as sink,
-        progress_bar(total=count, desc="score", unit="pair", enabled=output != "-") as bar,
-    ):
-        for chunk in pairs:  # the bar moves batch by batch: a chunk is up to FILE_CHUNK_LINES pairs
+    pairs = _numbered(chunked(_pairs(src, tgt), FILE_CHUNK_LINES))
+    with progress_bar(total=count, desc="score", unit="pair", enabled=output != "-") as bar:
+
+        def text(chunk: list, first: int) -> str:  # the bar moves batch by batch: a chunk is up to FILE_CHUNK_LINES
             scored = translator.score_with([s for s, _ in chunk], [t for _, t in chunk], decode, progress=bar.update)
-            for pair in scored:
-                extra = "\t" + " ".join(f"{value:.4f}" for value in pair.log_probs) if per_token else ""
-                sink.write(f"{pair.score:.4f}\t{pair.log_prob:.4f}\t{len(pair.log_probs)}{extra}\n")
+            return "".join(_score_line(pair, per_token=per_token) for pair in scored)
+
+        if rereadable and kept_in_chunks(output):
+            identity = work_identity(
+                _models(model), {"--src": src, "--tgt": tgt}, _settings(decode, per_token=per_token)
+            )
+            write_in_chunks(OutputChunks(Path(output), identity), pairs, text, bar, done="pairs scored")
+        else:
+            with _output(output) as sink:
+                for chunk, first in pairs:
+                    sink.write(text(chunk, first))
+
+
+def _score_line(pair: PairScore, *, per_token: bool) -> str:
+    """`score<TAB>log-probability<TAB>pieces`, with per_token a fourth column: each piece's log-probability."""
+    extra = "\t" + " ".join(f"{value:.4f}" for value in pair.log_probs) if per_token else ""
+    return f"{pair.score:.4f}\t{pair.log_prob:.4f}\t{len(pair.log_probs)}{extra}\n"
 
 
 def _pairs(src: Path, tgt: Path) -> Iterator[tuple[str, str]]:

@@ -179,29 +179,38 @@ def test_a_file_is_translated_chunk_by_chunk_in_order(trained_run, tmp_path, mon
     assert calls == [7, 7, 7, 7, 2] and chunked == whole and len(whole.splitlines()) == 30
 
 
-@pytest.mark.parametrize("options", [["--set", "decode.sample=true", "--set", "decode.top_k=5"],
-                                     ["--beam", "3", "--nbest", "2"]], ids=["sampled", "nbest"])  # fmt: skip
-def test_an_interrupted_translation_is_continued_by_the_same_command_as_if_never_stopped(
-    trained_run, tmp_path, monkeypatch, options
+RESUMABLE = {  # the command on the test set, the Translator method it does each chunk with, what it does
+    "sampled": (["translate", "-i", "{src}", "--set", "decode.sample=true", "--set", "decode.top_k=5"],
+                "translate_with", "lines translated"),
+    "nbest": (["translate", "-i", "{src}", "--beam", "3", "--nbest", "2"], "translate_with", "lines translated"),
+    "score-pairs": (["score-pairs", "--src", "{src}", "--tgt", "{tgt}", "--per-token"], "score_with", "pairs scored"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", RESUMABLE)
+def test_an_interrupted_run_over_a_file_is_continued_by_the_same_command_as_if_never_stopped(
+    trained_run, tmp_path, monkeypatch, name
 ):
     """Ctrl-C after two chunks of a file: the chunks are kept beside the output, and the same command
-    translates only the rest and writes what an uninterrupted run writes (samples drawn by line number,
+    does only the rest and writes what an uninterrupted run writes (samples drawn by line number,
     n-best rows numbered over the whole file), in smaller batches too; other settings begin again."""
     from seq2seq.cli import file_translation, output_chunks
 
     _, _, run_dir, data = trained_run
+    options, method, done = RESUMABLE[name]
+    subcommand, *options = (option.format(src=data / "test.en", tgt=data / "test.xx") for option in options)
+    command = [subcommand, "-c", run_dir, *options]
     monkeypatch.setattr(file_translation, "FILE_CHUNK_LINES", 7)  # 30 lines: 5 chunks
-    translated, real_translate = [], file_translation.Translator.translate_with
+    worked, real = [], getattr(file_translation.Translator, method)
 
     def counting(self, lines, *args, **kwargs):
-        translated.append(len(lines))
-        return real_translate(self, lines, *args, **kwargs)
+        worked.append(len(lines))
+        return real(self, lines, *args, **kwargs)
 
-    monkeypatch.setattr(file_translation.Translator, "translate_with", counting)
-    command = ["translate", "-c", run_dir, "-i", data / "test.en", *options]
+    monkeypatch.setattr(file_translation.Translator, method, counting)
     whole = invoke(*command, "-o", tmp_path / "whole.txt")
     assert whole.exit_code == 0, whole.output
-    saves, real_save = [], output_chunks.TranslationChunks.save
+    saves, real_save = [], output_chunks.OutputChunks.save
 
     def stopped_at_the_third(self, index, text):
         saves.append(index)
@@ -209,30 +218,30 @@ def test_an_interrupted_translation_is_continued_by_the_same_command_as_if_never
             raise KeyboardInterrupt
         real_save(self, index, text)
 
-    monkeypatch.setattr(output_chunks.TranslationChunks, "save", stopped_at_the_third)
+    monkeypatch.setattr(output_chunks.OutputChunks, "save", stopped_at_the_third)
     out, kept = tmp_path / "out.txt", tmp_path / ".out.txt.partial"
     stopped = invoke(*command, "-o", out)
     assert stopped.exit_code == 130 and not out.exists()
     assert (
         stopped.stderr.splitlines()[-1]
-        == f"interrupted; the first 14 lines translated are kept in {kept}: the same command continues"
+        == f"interrupted; the first 14 {done} are kept in {kept}: the same command continues"
     )
-    monkeypatch.setattr(output_chunks.TranslationChunks, "save", real_save)
-    translated.clear()
+    monkeypatch.setattr(output_chunks.OutputChunks, "save", real_save)
+    worked.clear()
     resumed = invoke(*command, "--set", "decode.batch_tokens=64", "-o", out)  # as after running out of memory
     assert resumed.exit_code == 0, resumed.output
-    assert translated == [7, 7, 2] and "the first 14 lines were translated before" in resumed.stderr
+    assert worked == [7, 7, 2] and f"kept the first 14 {done} before" in resumed.stderr
     assert out.read_text() == (tmp_path / "whole.txt").read_text() and not kept.exists()
-    if "--nbest" in options:
+    if name == "nbest":
         assert {int(row.split(" ||| ")[0]) for row in out.read_text().splitlines()} == set(range(30))
 
-    monkeypatch.setattr(output_chunks.TranslationChunks, "save", stopped_at_the_third)
+    monkeypatch.setattr(output_chunks.OutputChunks, "save", stopped_at_the_third)
     saves.clear()
     assert invoke(*command, "-o", tmp_path / "other.txt").exit_code == 130
-    monkeypatch.setattr(output_chunks.TranslationChunks, "save", real_save)
-    translated.clear()
-    again = invoke(*command, "--set", "decode.max_len_b=3", "-o", tmp_path / "other.txt")  # other settings
-    assert again.exit_code == 0 and translated == [7, 7, 7, 7, 2], again.output
+    monkeypatch.setattr(output_chunks.OutputChunks, "save", real_save)
+    worked.clear()
+    again = invoke(*command, "--set", "decode.length_norm=none", "-o", tmp_path / "other.txt")  # other settings
+    assert again.exit_code == 0 and worked == [7, 7, 7, 7, 2], again.output
     assert "of other models, input or settings; starting again" in again.stderr
 
 
@@ -242,7 +251,7 @@ def test_a_translation_refuses_a_partial_folder_it_did_not_make(trained_run, tmp
     theirs.mkdir()
     (theirs / "notes.txt").write_text("mine")
     result = invoke("translate", "-c", run_dir, "-i", data / "test.en", "-o", tmp_path / "out.txt")
-    assert_user_error(result, f"{theirs}: exists and is not a partial translation seq2seq made")
+    assert_user_error(result, f"{theirs}: exists and is not a partial output seq2seq made")
     assert (theirs / "notes.txt").read_text() == "mine" and not (tmp_path / "out.txt").exists()
 
 
