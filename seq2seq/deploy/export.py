@@ -40,7 +40,13 @@ from seq2seq.evaluation.evaluate import translate_and_score
 from seq2seq.evaluation.scoring import Scores
 from seq2seq.files import content_digest, remove_stale_temporaries, temporary_path
 from seq2seq.inference.admission import ModelCapacity, Names, plan_translation
-from seq2seq.inference.ctranslate2_engine import SHORTLIST_FILE, GpuUnusable, position_table_size
+from seq2seq.inference.ctranslate2_engine import (
+    SHORTLIST_FILE,
+    GpuUnusable,
+    compute_type_note,
+    position_table_size,
+    weights_format,
+)
 from seq2seq.inference.engine import EXPORT_METADATA
 from seq2seq.inference.shortlist import Shortlist
 from seq2seq.inference.translator import Translator
@@ -99,7 +105,7 @@ class ParityReport:
     def _where(self) -> str:
         """Where the gate decoded the export, and in what, where CTranslate2 computed it in other
         weights than its quantization (what users on this device will run, so the line says it)."""
-        converted = _weights(self.computed_in) != _weights(self.quantization)
+        converted = weights_format(self.computed_in) != weights_format(self.quantization)
         computed = f" in {self.computed_in}" if self.computed_in and converted else ""
         if self.device != "cpu":
             return f"; the export decoded on {self.device}{computed}"
@@ -113,11 +119,6 @@ class ParityReport:
 
     def to_dict(self) -> dict:
         return {**dataclasses.asdict(self), "passed": not self.failures}
-
-
-def _weights(compute_type: str) -> str:
-    """The weights' format of a CTranslate2 compute type: int8_float32 computes int8 weights, as int8 does."""
-    return compute_type.split("_")[0]
 
 
 def export_checkpoint(
@@ -171,6 +172,7 @@ def export_checkpoint(
             parity, ours, sources=sources, references=references, quantization=quantization, max_bleu_drop=max_bleu_drop
         )
         device = "cuda" if quantization in GPU_QUANTIZATIONS and torch.cuda.is_available() else "cpu"
+        compute_type_note.disabled = True  # the parity line says what the export computed in
         try:
             report = gate(Translator.load(staging, device=device), device=device)
         except GpuUnusable as error:  # the export is sound; the GPU's libraries are not there
@@ -182,6 +184,7 @@ def export_checkpoint(
         os.replace(staging, output)
         return report
     finally:
+        compute_type_note.disabled = False
         shutil.rmtree(staging, ignore_errors=True)
         for folder in missing if not output.exists() else []:
             with contextlib.suppress(OSError):  # emptied of our staging only; anything else keeps it

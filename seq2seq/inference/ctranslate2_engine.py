@@ -21,6 +21,7 @@ CTranslate2's generators, one per worker thread, which a call's seed does not re
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import time
@@ -53,6 +54,10 @@ from seq2seq.inference.engine import (
 NEGLIGIBLE_EXPONENT = 1e-9  # length^1e-9 is 1 within 1e-8 relative: the order of raw log-probabilities
 SMALLEST_POSITION_TABLE = 1024  # CTranslate2's own default input limit
 SHORTLIST_FILE = "vmap.txt"  # where CTranslate2 looks for a model's vocabulary map (its use_vmap)
+
+# Where load_exported says that an export computes in another type than its weights' (float16 on a
+# CPU): a logger of its own, which the export's parity gate mutes, since its parity line says so.
+compute_type_note = logging.getLogger(f"{__name__}.compute_type")
 
 
 def position_table_size(config: Config) -> int:
@@ -89,6 +94,23 @@ def gpu_failures_named(device: str):
         raise GpuUnusable(str(error)) from None
 
 
+@contextlib.contextmanager
+def _ctranslate2_warnings_held():
+    """CTranslate2's own log lines (its format, not ours) held back while a model loads: the one it
+    writes there, of weights converted to another compute type, load_exported says in ours."""
+    level = ctranslate2.get_log_level()
+    ctranslate2.set_log_level(logging.ERROR)
+    try:
+        yield
+    finally:
+        ctranslate2.set_log_level(level)
+
+
+def weights_format(compute_type: str) -> str:
+    """The weights' format of a CTranslate2 compute type: int8_float32 computes int8 weights, as int8 does."""
+    return compute_type.split("_")[0]
+
+
 def load_exported(directory: Path, *, device: str | None = None) -> tuple[DecodeConfig, Engine]:
     """The exported model's decode defaults and an engine that translates with it."""
     metadata = read_export_metadata(directory)
@@ -98,13 +120,19 @@ def load_exported(directory: Path, *, device: str | None = None) -> tuple[Decode
     config = config_from_dict(metadata["config"], origin=f"{directory} (stored config)")
     try:
         placement = ctranslate2_placement(device, ctranslate2.get_cuda_device_count())
-        with gpu_failures_named(placement["device"]):
+        with gpu_failures_named(placement["device"]), _ctranslate2_warnings_held():
             runtime = ctranslate2.Translator(str(directory), **placement, **_threads(placement["device"]))
         models = metadata["tokenizer"]  # {"src": file, "tgt": file}
         src = spm.SentencePieceProcessor(model_file=str(directory / models["src"]))
         tgt = spm.SentencePieceProcessor(model_file=str(directory / models["tgt"]))
     except (RuntimeError, OSError, KeyError, TypeError) as error:
         raise UserInputError(f"{directory}: not a loadable exported model ({type(error).__name__}: {error})") from None
+    quantization = metadata.get("quantization", runtime.compute_type)
+    if weights_format(runtime.compute_type) != weights_format(quantization):
+        compute_type_note.info(
+            "%s: the %s export computes in %s on the %s (CTranslate2 has no %s kernels for it)",
+            *(directory, quantization, runtime.compute_type, placement["device"].upper(), quantization),
+        )
     positions = metadata.get("max_positions") or position_table_size(config)  # an export from before the record
     shortlisted = (directory / SHORTLIST_FILE).is_file()
     return config.decode, CTranslate2Engine(runtime, src, tgt, max_positions=positions, shortlisted=shortlisted)

@@ -253,10 +253,22 @@ def export_float16(learned_checkpoint, tmp_path) -> tuple[dict, str]:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's case: this machine has a GPU")
-def test_a_float16_export_without_a_gpu_says_the_gate_checked_it_in_float32(learned_checkpoint, tmp_path):
+def test_a_float16_export_without_a_gpu_says_the_gate_checked_it_in_float32(learned_checkpoint, tmp_path, capfd):
+    """CTranslate2 converts float16 weights to float32 on a CPU and says so in a log line of its own
+    format ("[date] [ctranslate2] [thread N] [warning] ..."): the export's parity line says it for
+    the gate, and a command that translates with the export says it in one line of ours."""
     parity, printed = export_float16(learned_checkpoint, tmp_path)
     assert parity["passed"] and parity["device"] == "cpu"
     assert "no GPU here: the float16 export decoded in float32 on the CPU" in printed
+    exported = capfd.readouterr().err
+    assert "[ctranslate2]" not in exported and "computes in float32" not in exported
+    (tmp_path / "source.txt").write_text("the cat sleeps\n", encoding="utf-8")
+    result = invoke("translate", "-c", tmp_path / "fp16", "-i", tmp_path / "source.txt")
+    assert result.exit_code == 0, result.output
+    captured = capfd.readouterr().err + result.stderr
+    note = f"{tmp_path / 'fp16'}: the float16 export computes in float32 on the CPU (CTranslate2 has no float16 kernels"
+    assert "[ctranslate2]" not in captured
+    assert [line.split(" | ", 1)[1] for line in captured.splitlines() if note in line] == [note + " for it)"]
 
 
 @pytest.mark.skipif(
@@ -312,7 +324,7 @@ class TranslatorWithoutCublas:
     """CTranslate2 given a GPU whose cuBLAS it cannot load, as on a lent H100 (CUDA 13, no CUDA 12
     libcublas): the model loads, and its first product fails."""
 
-    device, num_translators = "cuda", 1
+    device, num_translators, compute_type = "cuda", 1, "float16"
 
     def __getattr__(self, name):
         def fail(*args, **kwargs):
