@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import importlib.metadata
 import ipaddress
 import json
 import logging
@@ -41,7 +42,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from seq2seq import __version__
 from seq2seq.deploy.batching import BatchingWorker
 from seq2seq.deploy.requests import (
     Job,
@@ -122,7 +122,7 @@ def create_app(
         yield
         service.worker.stop()
 
-    app = FastAPI(title="seq2seq", version=__version__, lifespan=lifespan)
+    app = FastAPI(title="seq2seq", version=importlib.metadata.version("seq2seq"), lifespan=lifespan)
     app.add_exception_handler(StarletteHTTPException, _routing_error)
 
     @app.get("/health")

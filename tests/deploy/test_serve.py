@@ -520,7 +520,7 @@ def test_a_compressed_body_is_refused_by_its_content_encoding():
 def test_a_path_or_method_without_a_route_is_an_error_like_every_other():
     """A client reads {"error": ...} from every answer that is not a 200: FastAPI's own 404 and 405
     said {"detail": "Not Found"}, in another field and without naming the routes there are."""
-    from seq2seq import __version__
+    from importlib.metadata import version
 
     with app_client(StalledEngine()) as client:
         missing = client.post("/translation", json={"lines": ["a"]})
@@ -530,7 +530,7 @@ def test_a_path_or_method_without_a_route_is_an_error_like_every_other():
         wrong_method = client.get("/translate")
         assert wrong_method.status_code == 405 and wrong_method.headers["allow"] == "POST"
         assert wrong_method.json() == {"error": 'GET "/translate": method not allowed; expected POST'}
-        assert client.get("/openapi.json").json()["info"]["version"] == __version__
+        assert client.get("/openapi.json").json()["info"]["version"] == version("seq2seq")
 
 
 def test_an_api_key_is_required_when_set_and_health_tells_strangers_nothing():
