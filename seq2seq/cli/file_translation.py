@@ -1,7 +1,7 @@
 """What `seq2seq translate` and `seq2seq score-pairs` do with files: read the input (and its
 guidance files) a chunk at a time, check the whole of it before any work where a line could be
-refused, translate or score each chunk with a Translator, and write the output atomically (a file's
-translation keeps its finished chunks until the output is whole: output_chunks.py).
+refused, translate or score each chunk with a Translator, and write the output atomically (an
+output file keeps its finished chunks until it is whole: output_chunks.py).
 """
 
 from __future__ import annotations
