@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -48,19 +49,24 @@ def compare(config: Config, teacher: list[Path], student: Path, folder: Path, *,
 
 
 def _timed(name: str, options: list[str], source: Path, output: Path, refs: list[str], size: float) -> ModelRun:
-    """`seq2seq translate` into a file of its own, which then replaces `output`: the outputs of a report
-    made before (of an earlier student, or one killed before its report.json) are this stage's own."""
-    partial = output.with_name(f".{output.name}.partial")
-    partial.unlink(missing_ok=True)
+    """`seq2seq translate` into a folder of its own, whose output then replaces `output`: the outputs of
+    a report made before (of an earlier student, or one killed before its report.json) are this
+    stage's own. The folder is emptied first: translate keeps the chunks of a stopped translation and
+    continues from them, and a translation timed from its middle would report a speed it never had."""
+    work = output.with_name(f".{output.name}.work")
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir()
+    partial = work / output.name
     command = [sys.executable, "-m", "seq2seq", "--quiet", "translate", *options, "-i", str(source), "-o", str(partial)]
     started = time.perf_counter()
     finished = subprocess.run(command, capture_output=True, text=True, check=False)
     seconds = time.perf_counter() - started
     if finished.returncode != 0:
-        partial.unlink(missing_ok=True)
+        shutil.rmtree(work, ignore_errors=True)
         last = (finished.stderr.strip().splitlines() or ["no message"])[-1]
         raise UserInputError(f"distill report: the {name} could not translate the test split ({last})")
     os.replace(partial, output)
+    shutil.rmtree(work, ignore_errors=True)
     hypotheses = output.read_text(encoding="utf-8").splitlines()
     scores = score(hypotheses, [refs], ScoreOptions(metrics=("bleu", "chrf")))
     shown = " ".join(["seq2seq translate", *options, "-i", source.name])

@@ -146,8 +146,15 @@ def test_a_run_killed_in_each_stage_ends_like_an_uninterrupted_one(
         pipeline.distill(config, run_dir, progress=False, echo=lambda _: None)
     monkeypatch.setattr(report_module, "_timed", real_timed)
     assert (run_dir / "report" / "teacher.out").is_file() and not (run_dir / "report.json").exists()
+    stopped = run_dir / "report" / ".teacher.out.work" / ".teacher.out.partial"  # as a translation stopped there leaves
+    stopped.mkdir(parents=True)
+    (stopped / "chunk-00000000.txt").write_text("not the teacher's\n")
 
     pipeline.distill(config, run_dir, progress=False, echo=lambda _: None)
+    # the report's translations began afresh: one timed from a stopped one's middle would report a speed it never had
+    assert sorted(p.name for p in (run_dir / "report").iterdir()) == sorted(
+        p.name for p in (uninterrupted / "report").iterdir()
+    )
     assert chunks == ["chunk-000000-of-50.json", "chunk-000001-of-50.json", "chunk-000002-of-50.json"]  # none twice
     resumed, whole = _weights(run_dir), _weights(uninterrupted)
     assert resumed.keys() == whole.keys() and all(torch.equal(resumed[k], whole[k]) for k in whole)
