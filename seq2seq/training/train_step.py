@@ -114,8 +114,8 @@ def train_step(
     world_size = torch.distributed.get_world_size() if ddp is not None else 1
     device = next(model.parameters()).device
     loss_sum = torch.zeros((), device=device)
-    model.train()
-    runs.train()
+    _training_mode(model)
+    _training_mode(runs)
     precision = config.precision if working is None else "fp32"  # a working copy is bf16 through and through
     for index, batch in enumerate(batches):
         batch = batch.to(device)
@@ -139,6 +139,15 @@ def train_step(
         grad_norm, skipped = working.update(optimizer, max_norm)
     optimizer.zero_grad(set_to_none=True)
     return StepResult(loss_sum, skipped, grad_norm)
+
+
+def _training_mode(module: nn.Module) -> None:
+    """module.train(), where some submodule is not in training mode (validation left them in eval mode).
+    train() sets each submodule's flag through nn.Module.__setattr__, whatever it was: a step paid that
+    for every module of the master and of the working copy, a large share of a small model's host time a step
+    (profile_train.py's fixed host cost)."""
+    if not all(submodule.training for submodule in module.modules()):
+        module.train()
 
 
 def step_unless_skipped(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, skipped: Tensor) -> None:

@@ -67,3 +67,23 @@ def test_a_non_finite_update_is_reported_and_never_applied(tokenizer_and_corpus,
     for name, param in model.named_parameters():
         assert torch.equal(param, before[name]), name
     assert all(torch.equal(s["exp_avg"], moments[id(p)]) for p, s in optimizer.state.items())
+
+
+@pytest.mark.parametrize("left_in_eval", ["the whole model", "one layer"])
+def test_a_step_trains_every_module_in_training_mode(tokenizer_and_corpus, left_in_eval):
+    """After validation (the model in eval mode), or with any one submodule left in eval mode, a step
+    puts every module of the master and of the bf16 working copy in training mode (dropout on)."""
+    from seq2seq.training.working_copy import working_copy_for
+
+    tokenizer, corpus = tokenizer_and_corpus
+    model = build_model(MODEL, tokenizer)
+    working = working_copy_for(model, "bf16")
+    for each in (model, working.model):
+        (each if left_in_eval == "the whole model" else each.decoder_layers[1]).eval()
+    config = TrainConfig(precision="bf16")
+    batch = make_batch(corpus, epoch_batches(corpus, max_tokens=1024, seed=1, epoch=1)[0])
+    optimizer, scaler = build_optimizer(model, config), build_scaler(CPU, "bf16")
+    train_step(model, optimizer, scaler, [batch], update_tokens=batch.num_tokens, lr=1e-3, config=config,
+               forward=working.model, working=working)  # fmt: skip
+    for each in (model, working.model):
+        assert all(module.training for module in each.modules())
