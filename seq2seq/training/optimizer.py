@@ -13,6 +13,8 @@ counts) and so its checkpoints and resumes are the same whichever path stepped i
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import Tensor, nn
 
@@ -50,32 +52,90 @@ def adam_update_cpu(optimizer: torch.optim.Optimizer, pairs: list[tuple[Tensor, 
     kernels = cpu_kernels()
     if kernels is None or not isinstance(optimizer, torch.optim.Adam):
         return False
-    working_of = {id(master): working for master, working in pairs}
-    calls, new_states = [], {}
-    for group in optimizer.param_groups:
-        if group["amsgrad"] or group["maximize"] or group["differentiable"] or group["capturable"]:
+    pairs = [(master, working) for master, working in pairs if working.grad is not None]
+    plan = _plans.get(optimizer)
+    if plan is None or not plan.serves(optimizer, pairs):
+        plan = _AdamPlan.make(optimizer, pairs)
+        if plan is None:
             return False
-        lists: tuple[list[Tensor], ...] = ([], [], [], [], [], [])
-        for master in group["params"]:
-            working = working_of.get(id(master))
-            if working is None or working.grad is None:
-                continue
-            state = optimizer.state.get(master)
-            if not state:  # its first update (a skipped one creates it too, as PyTorch's does)
-                state = new_states[master] = _first_state(master)
-            if not _kernel_state(state, master):
-                return False
-            for values, tensor in zip(lists, (master, state["exp_avg"], state["exp_avg_sq"], state["step"], working,
-                                              working.grad.contiguous())):  # fmt: skip
-                values.append(tensor.detach())
-        calls.append((group, lists))
-    optimizer.state.update(new_states)
-    for group, lists in calls:
-        if lists[0]:
-            beta1, beta2 = group["betas"]
-            kernels.adam_update_(*lists, scale, skipped, float(group["lr"]), beta1, beta2, group["eps"],
-                                 group["weight_decay"], group["decoupled_weight_decay"])  # fmt: skip
+        _plans[optimizer] = plan
+    for group, lists, workings in plan.calls:
+        grads = [working.grad.contiguous() for working in workings]
+        beta1, beta2 = group["betas"]
+        kernels.adam_update_(*lists, grads, scale, skipped, float(group["lr"]), beta1, beta2, group["eps"],
+                             group["weight_decay"], group["decoupled_weight_decay"])  # fmt: skip
     return True
+
+
+class _AdamPlan:
+    """What adam_update_ is handed for each of an optimizer's groups: its masters, their moments and
+    step counts, and their working weights (detached), in the order of `pairs`. Made when an update
+    first meets the optimizer and these pairs, and again when the optimizer's state or settings change
+    (a checkpoint loaded into it, a weight's first update): checking every weight's state and
+    building six lists of them each update was a large share of a small model's host time a step
+    (profile_train.py's fixed host cost)."""
+
+    def __init__(self, pairs: list[tuple[Tensor, Tensor]], checked: list[tuple[dict, dict, tuple]], calls: list):
+        self.pairs = pairs
+        self.checked = checked  # (group, its settings as checked, each weight's state and its tensors)
+        self.calls = calls  # (group, (masters, exp_avgs, exp_avg_sqs, steps, workings) detached, workings)
+
+    @staticmethod
+    def make(optimizer: torch.optim.Adam, pairs: list[tuple[Tensor, Tensor]]) -> _AdamPlan | None:
+        """The plan of `optimizer` over `pairs` (working weights with a gradient), creating the state
+        of a weight's first update; None, with nothing changed, where the kernel does not apply."""
+        working_of = {id(master): working for master, working in pairs}
+        checked, calls, new_states = [], [], {}
+        for group in optimizer.param_groups:
+            if any(group[option] for option in _UNSUPPORTED):
+                return None
+            lists: tuple[list[Tensor], ...] = ([], [], [], [], [])
+            states, workings = [], []
+            for master in group["params"]:
+                working = working_of.get(id(master))
+                if working is None:
+                    continue
+                state = optimizer.state.get(master)
+                if not state:  # its first update (a skipped one creates it too, as PyTorch's does)
+                    state = new_states[master] = _first_state(master)
+                if not _kernel_state(state, master):
+                    return None
+                tensors = (master, state["exp_avg"], state["exp_avg_sq"], state["step"], working)
+                for values, tensor in zip(lists, tensors):
+                    values.append(tensor.detach())
+                states.append((master, state, tensors[1:4]))
+                workings.append(working)
+            checked.append((group, _settings(group), states))
+            if lists[0]:
+                calls.append((group, lists, workings))
+        optimizer.state.update(new_states)
+        return _AdamPlan(list(pairs), checked, calls)
+
+    def serves(self, optimizer: torch.optim.Adam, pairs: list[tuple[Tensor, Tensor]]) -> bool:
+        """Whether this plan is still the one `make` would give: the same pairs, groups, settings and
+        state tensors."""
+        if len(pairs) != len(self.pairs) or len(optimizer.param_groups) != len(self.checked):
+            return False
+        if any(a is not b or c is not d for (a, c), (b, d) in zip(pairs, self.pairs)):
+            return False
+        for group, (checked_group, settings, states) in zip(optimizer.param_groups, self.checked):
+            if group is not checked_group or _settings(group) != settings:
+                return False
+            for master, state, tensors in states:
+                now = optimizer.state.get(master)
+                if now is not state or any(now[key] is not t for key, t in zip(_STATE_KEYS, tensors)):
+                    return False
+        return True
+
+
+_UNSUPPORTED = ("amsgrad", "maximize", "differentiable", "capturable")
+_STATE_KEYS = ("exp_avg", "exp_avg_sq", "step")
+_plans: weakref.WeakKeyDictionary[torch.optim.Optimizer, _AdamPlan] = weakref.WeakKeyDictionary()
+
+
+def _settings(group: dict) -> tuple:
+    """A group's parameters and options as a plan checks them (the learning rate is read each update)."""
+    return (tuple(id(p) for p in group["params"]), *(group[option] for option in _UNSUPPORTED))
 
 
 def _first_state(master: Tensor) -> dict[str, Tensor]:

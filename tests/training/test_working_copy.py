@@ -5,6 +5,8 @@ is the uninterrupted one."""
 
 from __future__ import annotations
 
+import copy as copy_module
+
 import pytest
 import torch
 
@@ -204,3 +206,44 @@ def test_a_working_copy_update_is_pytorchs_adam_on_the_clipped_gradients(tokeniz
                     largest = their_state[moment].abs().max().item()
                     torch.testing.assert_close(state[moment], their_state[moment], rtol=1e-5, atol=1e-5 * largest)
     assert pytorch_steps == ([] if cpu_path == "fused" else [1] * 5)
+
+
+def test_an_update_after_a_checkpoint_is_loaded_into_the_optimizer_steps_the_loaded_state(tokenizer_and_batch,
+                                                                                         cpu_path):  # fmt: skip
+    """The same optimizer and working copy go on after the optimizer's state (and the weights) are loaded
+    from an earlier update, as a fine-tuning or a resume in one process does: the next update reads and
+    writes the loaded moments and step counts, not those the earlier updates left (the fused update keeps
+    what it hands its kernel from one update to the next)."""
+    model = build_model(MODEL, tokenizer_and_batch[0])
+    reference = [master.detach().clone().requires_grad_() for master in model.parameters()]
+    working = working_copy_for(model, "bf16")
+    settings = dict(lr=1e-3, betas=(0.9, 0.98), eps=1e-9, weight_decay=0.1, fused=True)
+    ours, theirs = torch.optim.AdamW(model.parameters(), **settings), torch.optim.AdamW(reference, **settings)
+    copies = list(working.model.parameters())
+    generator = torch.Generator().manual_seed(0)
+
+    def update() -> None:
+        for copy, their in zip(copies, reference, strict=True):
+            copy.grad = (torch.randn(copy.shape, generator=generator) * 0.01).bfloat16()
+            their.grad = copy.grad.float()
+        theirs.step()
+        working.update(ours, float("inf"))
+        ours.zero_grad(set_to_none=True)
+        theirs.zero_grad(set_to_none=True)
+
+    update()
+    saved = {name: value.clone() for name, value in model.state_dict().items()}
+    saved_state = copy_module.deepcopy(ours.state_dict())
+    update()
+    update()
+    model.load_state_dict(saved)
+    working.refresh()
+    ours.load_state_dict(saved_state)
+    with torch.no_grad():
+        for master, their in zip(model.parameters(), reference, strict=True):
+            their.copy_(master)
+    theirs.load_state_dict(copy_module.deepcopy(ours.state_dict()))
+    update()
+    for master, their in zip(model.parameters(), reference, strict=True):
+        torch.testing.assert_close(master, their, rtol=1e-5, atol=1e-3 * settings["lr"])
+        assert torch.equal(ours.state[master]["step"], torch.tensor(2.0))
