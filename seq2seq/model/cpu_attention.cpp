@@ -152,15 +152,17 @@ Strided rows_of(const float* data, int64_t stride) { return {data, stride, 1}; }
 
 // A task reads a head's columns of each of its rows, a cache line or two a row, each a row's stride
 // from the last: no pattern the hardware's prefetchers foresee, and each read waited for its lines.
-// The reads ask for the lines kRowsAhead rows ahead of the one they read.
+// The reads ask for the lines kRowsAhead rows ahead of the one they read, and before a task computes,
+// it asks for the next task's (for_each_task): each alone left part of the wait (benchmark_attention).
 constexpr int64_t kRowsAhead = 8;
 
-template <typename T>
+// The lines of row[0, width), into the first-level cache (locality 3) or the second (2).
+template <int Locality = 3, typename T>
 inline void prefetch_row(const T* row, int64_t width) {
   const char* first = reinterpret_cast<const char*>(row);
   const char* last = reinterpret_cast<const char*>(row + width) - 1;
-  for (const char* line = first; line < last; line += 64) __builtin_prefetch(line);
-  __builtin_prefetch(last);
+  for (const char* line = first; line < last; line += 64) __builtin_prefetch(line, 0, Locality);
+  __builtin_prefetch(last, 0, Locality);
 }
 
 // rows x width of `source` (row stride `stride`) into `out` (row stride out_stride) as floats; out's
@@ -689,25 +691,38 @@ void for_each_dtype(const at::Tensor& x, Work work) {
   else work(0.0f);
 }
 
-template <typename Work>
-void for_each_task(const Layout& layout, Work work) {
+// work(task, head, scratch) for every task, spread over the threads; each thread calls ahead(task)
+// with its next task before it works on the one at hand.
+template <typename Work, typename Ahead>
+void for_each_task(const Layout& layout, Work work, Ahead ahead) {
   const int64_t* qs = layout.query_spans.data_ptr<int64_t>();
   const int64_t* ks = layout.key_spans.data_ptr<int64_t>();
   const float scale = 1.0f / std::sqrt(static_cast<float>(layout.head_dim));
+  auto task_at = [&](int64_t task) {
+    const int64_t b = task / layout.heads, h = task % layout.heads;
+    const int64_t keys = ks[2 * b + 1];
+    const int64_t queries = qs[2 * b + 1], padded_keys = round_up(keys);
+    return Task{queries, keys, layout.head_dim, round_up(layout.head_dim), padded_keys,
+                qs[2 * b], ks[2 * b], h * layout.head_dim, layout.kept_starts[b] + h * queries * padded_keys,
+                layout.causal, scale};
+  };
   // Each task writes only its own rows and columns, from its own inputs: any thread count gives
   // the same result.
   at::parallel_for(0, layout.sentences * layout.heads, 1, [&](int64_t begin, int64_t end) {
     Scratch scratch;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / layout.heads, h = task % layout.heads;
-      const int64_t keys = ks[2 * b + 1];
-      const int64_t queries = qs[2 * b + 1], padded_keys = round_up(keys);
-      const Task t{queries, keys, layout.head_dim, round_up(layout.head_dim), padded_keys,
-                   qs[2 * b], ks[2 * b], h * layout.head_dim, layout.kept_starts[b] + h * queries * padded_keys,
-                   layout.causal, scale};
-      work(t, h, scratch);
+      if (task + 1 < end) ahead(task_at(task + 1));
+      work(task_at(task), task % layout.heads, scratch);
     }
   });
+}
+
+// Asks for the lines of a task's head columns of `rows` rows from `first` (row stride `stride`) while the
+// task before it computes (kRowsAhead's comment): into the second-level cache, since asked into the
+// first they pushed out the lines that task was working on, and both tasks ran slower.
+template <typename T>
+void prefetch_rows(const T* data, int64_t stride, int64_t first, int64_t rows, int64_t column, int64_t width) {
+  for (int64_t r = first; r < first + rows; ++r) prefetch_row<2>(data + r * stride + column, width);
 }
 
 // (out, lse, kept): out (q's rows, width), attention of each sentence's queries to its keys, zero in
@@ -730,11 +745,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention(const at::Tensor& q, co
   float* kept_data = keeps ? kept.data_ptr<float>() : nullptr;
   for_each_dtype(q, [&](auto zero) {
     using scalar_t = decltype(zero);
-    for_each_task(layout, [&](const Task& t, int64_t h, Scratch& scratch) {
-      forward_task(t, q.data_ptr<scalar_t>(), q.stride(0), k.data_ptr<scalar_t>(), k.stride(0),
-                   v.data_ptr<scalar_t>(), v.stride(0), out.data_ptr<scalar_t>(), out.stride(0),
-                   lse_data + h * q.size(0) + t.query_row, keeps ? kept_data + t.kept_at : nullptr, scratch);
-    });
+    const scalar_t *qd = q.data_ptr<scalar_t>(), *kd = k.data_ptr<scalar_t>(), *vd = v.data_ptr<scalar_t>();
+    for_each_task(
+        layout,
+        [&](const Task& t, int64_t h, Scratch& scratch) {
+          forward_task(t, qd, q.stride(0), kd, k.stride(0), vd, v.stride(0), out.data_ptr<scalar_t>(), out.stride(0),
+                       lse_data + h * q.size(0) + t.query_row, keeps ? kept_data + t.kept_at : nullptr, scratch);
+        },
+        [&](const Task& t) {
+          prefetch_rows(qd, q.stride(0), t.query_row, t.queries, t.column, t.head_dim);
+          prefetch_rows(kd, k.stride(0), t.key_row, t.keys, t.column, t.head_dim);
+          prefetch_rows(vd, v.stride(0), t.key_row, t.keys, t.column, t.head_dim);
+        });
   });
   return {out, lse, kept};
 }
@@ -765,14 +787,22 @@ void attention_backward(const at::Tensor& grad_out, const at::Tensor& q, const a
   const float* lse_data = lse.data_ptr<float>();
   for_each_dtype(q, [&](auto zero) {
     using scalar_t = decltype(zero);
-    for_each_task(layout, [&](const Task& t, int64_t h, Scratch& scratch) {
-      backward_task(t, grad_out.data_ptr<scalar_t>(), grad_out.stride(0), q.data_ptr<scalar_t>(), q.stride(0),
-                    k.data_ptr<scalar_t>(), k.stride(0), v.data_ptr<scalar_t>(), v.stride(0),
-                    lse_data + h * q.size(0) + t.query_row, keeps ? kept_data + t.kept_at : nullptr,
-                    grad_q.data_ptr<scalar_t>(), grad_q.stride(0),
-                    grad_k.data_ptr<scalar_t>(), grad_k.stride(0), grad_v.data_ptr<scalar_t>(), grad_v.stride(0),
-                    scratch);
-    });
+    const scalar_t *gd = grad_out.data_ptr<scalar_t>(), *qd = q.data_ptr<scalar_t>();
+    const scalar_t *kd = k.data_ptr<scalar_t>(), *vd = v.data_ptr<scalar_t>();
+    for_each_task(
+        layout,
+        [&](const Task& t, int64_t h, Scratch& scratch) {
+          backward_task(t, gd, grad_out.stride(0), qd, q.stride(0), kd, k.stride(0), vd, v.stride(0),
+                        lse_data + h * q.size(0) + t.query_row, keeps ? kept_data + t.kept_at : nullptr,
+                        grad_q.data_ptr<scalar_t>(), grad_q.stride(0), grad_k.data_ptr<scalar_t>(), grad_k.stride(0),
+                        grad_v.data_ptr<scalar_t>(), grad_v.stride(0), scratch);
+        },
+        [&](const Task& t) {
+          prefetch_rows(gd, grad_out.stride(0), t.query_row, t.queries, t.column, t.head_dim);
+          prefetch_rows(qd, q.stride(0), t.query_row, t.queries, t.column, t.head_dim);
+          prefetch_rows(kd, k.stride(0), t.key_row, t.keys, t.column, t.head_dim);
+          prefetch_rows(vd, v.stride(0), t.key_row, t.keys, t.column, t.head_dim);
+        });
   });
 }
 
