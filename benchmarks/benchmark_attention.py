@@ -58,6 +58,7 @@ def main() -> int:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    parser.add_argument("--repeats", type=int, default=20, help="timed calls per cell (CPU): the median is printed")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         return cpu_bf16(args)
@@ -120,9 +121,9 @@ def cpu_bf16(args) -> int:
             def ours(mask=mask, causal=causal, inputs=(q, k, v), grad=grad):
                 attention(*inputs, mask=mask, is_causal=causal, dropout_p=0.0).backward(grad)
 
-            bf16, fp32_inside = cpu_time_ms(fused_bf16), cpu_time_ms(ours)
+            bf16, fp32_inside = cpu_time_ms(fused_bf16, args.repeats), cpu_time_ms(ours, args.repeats)
             flat_ms = cpu_time_ms(flat_rows_attention(lengths if mask is not None else None, batch, length, args,
-                                                      causal=causal)) if flat else None  # fmt: skip
+                                                      causal=causal), args.repeats) if flat else None  # fmt: skip
             flat_cells = f"{flat_ms:.2f} | {bf16 / flat_ms:.2f}x" if flat else "- | -"
             print(f"| {length} | {kind} | {bf16:.2f} | {fp32_inside:.2f} | {bf16 / fp32_inside:.2f}x | {flat_cells} |")
     return 0
@@ -143,7 +144,7 @@ def flat_rows_attention(lengths: torch.Tensor | None, batch: int, length: int, a
     return run
 
 
-def cpu_time_ms(function, repeats: int = 20) -> float:
+def cpu_time_ms(function, repeats: int) -> float:
     """Median wall milliseconds of `function` after warm-up."""
     for _ in range(3):
         function()
