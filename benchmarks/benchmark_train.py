@@ -16,7 +16,8 @@ sides return the heap's free pages to the kernel every 10 steps, as the trainer 
 (seq2seq/training/host_memory.py), so memory now is a sawtooth and the window's top, read from the kernel's
 high-water mark, is what shows growth). It prints the records and how much the window peak grew after the first tenth of
 the run, and --plot writes them as a PNG. The side "ours bf16 untrimmed" leaves the heap release
-out, to measure what it costs and saves; "ours bf16 autocast" trains without the bf16 working copy
+out, to measure what it costs and saves (each side's page faults and kernel CPU time a step say what
+its re-faulted memory costs); "ours bf16 autocast" trains without the bf16 working copy
 (seq2seq/training/working_copy.py), casting each weight at each use, to measure what that saves;
 "ours fp32 unfused" and "ours bf16 unfused" train without the fused CPU kernels
 (seq2seq/model/cpu_kernels.py), PyTorch's operations alone.
@@ -37,6 +38,7 @@ import itertools
 import math
 import multiprocessing
 import os
+import resource
 import sys
 import tempfile
 import time
@@ -189,6 +191,10 @@ class Timing:
     flops_per_second: float
     memory: list[MemorySample]
     peak_memory: float  # MiB, the whole process: RSS on CPU, allocated on a GPU
+    # the process's minor page faults and kernel CPU ms a step over the timed steps: memory handed back
+    # to the kernel (host_memory.py's heap trim, glibc's own trims and unmaps) is faulted in afresh
+    page_faults_per_step: float
+    system_ms_per_step: float
 
 
 class MemoryWindow:
@@ -231,7 +237,7 @@ def timed_steps(args, steps: int, step, corpus: EncodedCorpus, flops_of, *, rele
         step(make_batch(corpus, indices))
     tokens, flops, memory, window = 0, 0.0, [], MemoryWindow()  # its first window: from the end of the warmup
     synchronize()
-    start = time.perf_counter()
+    usage, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
     for number, indices in enumerate(order[args.warmup :], start=1):
         batch = make_batch(corpus, indices)
         tokens, flops = tokens + batch.num_tokens, flops + flops_of(batch)
@@ -241,8 +247,9 @@ def timed_steps(args, steps: int, step, corpus: EncodedCorpus, flops_of, *, rele
         if release_heap and number % HEAP_TRIM_EVERY == 0:
             release_free_heap()
     synchronize()
-    seconds = time.perf_counter() - start
-    return Timing(tokens / seconds, flops / seconds, memory, window.process_peak())
+    seconds, used = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF)
+    faults, system_ms = (used.ru_minflt - usage.ru_minflt) / steps, (used.ru_stime - usage.ru_stime) * 1e3 / steps
+    return Timing(tokens / seconds, flops / seconds, memory, window.process_peak(), faults, system_ms)
 
 
 def side_precision(side: str) -> str:
@@ -374,14 +381,15 @@ def report(args, rates: dict[str, float], results: dict, preparation_peak: float
     memory = "GPU reserved" if DEVICE.type == "cuda" else "RSS"
     peak = "GPU allocated" if DEVICE.type == "cuda" else "RSS"  # MemoryWindow.process_peak
     print(f"\n| trainer | steps | target tokens/s (whole run) | MFU | padding | peak {peak} | window peak {memory} "
-          f"at 10% of the run -> end |\n|---|---|---|---|---|---|---|")  # fmt: skip
+          "at 10% of the run -> end | page faults/step | system CPU ms/step |\n" + "|---" * 9 + "|")  # fmt: skip
     for side, (steps, timing, padding) in results.items():
         mfu = timing.flops_per_second / rates["fp32" if side_precision(side) == "fp32" else "bf16"]
         early, last = early_sample(timing.memory, steps), timing.memory[-1]
         growth = (f"{early.window_peak:,.0f} (step {early.step}) -> {last.window_peak:,.0f} MiB "
                   f"({last.window_peak / early.window_peak - 1:+.1%})")  # fmt: skip
         print(f"| {side} | {steps} | {timing.tokens_per_second:,.0f} | {mfu:.0%} | {padding:.1%} "
-              f"| {timing.peak_memory:,.0f} MiB | {growth} |")  # fmt: skip
+              f"| {timing.peak_memory:,.0f} MiB | {growth} | {timing.page_faults_per_step:,.0f} "
+              f"| {timing.system_ms_per_step:,.1f} |")  # fmt: skip
     print(f"\n{memory} MiB at steps, now / highest since the previous sample:")
     for side, (_, timing, _) in results.items():
         print(f"{side}: " + ", ".join(f"{s.step}: {s.now:,.0f}/{s.window_peak:,.0f}" for s in timing.memory))
