@@ -14,8 +14,10 @@
 # base eager and compiled for STEPS updates at TOKENS a batch: their valid losses), profile:TOKENS (where
 # the compiled Transformer-base bf16 step's time goes at TOKENS a batch: device time by kind of kernel,
 # launches, the op census; into the ledger), cpu (where the machine's CPU has AMX: the small model's
-# bf16 training on it against the fp32 reference, two threads as the ledger's CPU runs, into the
-# ledger; "Fast hardware" has had no AMX machine since 2026-11-28).
+# bf16 training on it against the fp32 reference, two threads as the ledger's CPU runs, and without
+# the trainer's heap trim, whose re-faulted pages doubled a step's page faults on AVX-512-bf16; then
+# profile_train's op table of that step; into the ledger; "Fast hardware" has had no AMX machine
+# since 2026-11-28).
 set -u
 OUT=${OUT:-/tmp/gpu_session}
 mkdir -p "$OUT"
@@ -92,8 +94,12 @@ print(f'valid loss after $steps updates: eager {loss[\"false\"]:.4f}, compiled {
     cpu)  # the GPU hidden, so that the benchmark and the ledger see the CPU
       if grep -q amx_bf16 /proc/cpuinfo; then
         CUDA_VISIBLE_DEVICES= PYTHONUNBUFFERED=1 timeout "${CPU_SECONDS:-420}" python3 benchmarks/ledger.py run \
-          benchmark_train.py --sides "reference fp32" "ours bf16" --steps 60 --warmup 10 --threads 2 >"$OUT/cpu.log" 2>&1
+          benchmark_train.py --sides "reference fp32" "ours bf16" "ours bf16 untrimmed" --steps 60 --warmup 10 \
+          --threads 2 >"$OUT/cpu.log" 2>&1
         elapsed "cpu (AMX): exit $?"; grep -E "^\||kernels" "$OUT/cpu.log"
+        CUDA_VISIBLE_DEVICES= PYTHONUNBUFFERED=1 timeout "${CPU_PROFILE_SECONDS:-180}" python3 benchmarks/ledger.py run \
+          profile_train.py --precision bf16 --max-tokens 4000 --threads 2 --rows 25 >"$OUT/cpu_profile.log" 2>&1
+        elapsed "cpu profile (AMX): exit $?"; grep -A3 "tokens/batch, " "$OUT/cpu_profile.log"
       else
         elapsed "cpu:$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2) has no AMX: nothing run"
       fi ;;
