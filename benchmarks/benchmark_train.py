@@ -12,7 +12,7 @@ on the GPU when there is one (memory is then the GPU caching allocator's), else 
 Batches are built inside the timed loop, as in a real run, epoch after epoch for as many steps as
 asked: with --steps 2000 it is a long run that shows steady state. Every --memory-every steps the
 script records memory now and at its highest since the last record (the window peak: on CPU our
-sides return the heap's free pages to the kernel every 10 steps, as the trainer does
+sides return the heap's free pages to the kernel every HEAP_TRIM_EVERY steps, as the trainer does
 (seq2seq/training/host_memory.py), so memory now is a sawtooth and the window's top, read from the kernel's
 high-water mark, is what shows growth). It prints the records and how much the window peak grew after the first tenth of
 the run, and --plot writes them as a PNG. The side "ours bf16 untrimmed" leaves the heap release

@@ -5,10 +5,12 @@ times the memory in use, most of it free, in thousands of holes between live blo
 tensors change size with every batch; glibc serves blocks up to 32 MiB from its heap (its mmap
 threshold rises to the largest block freed so far), and it returns memory to the kernel only from
 the top of the heap, so the holes stay resident. `malloc_trim(0)` releases the whole free pages of
-every hole. Called every HEAP_TRIM_EVERY steps it costs re-faulting those pages once per call
-(every step: measurably slower; every 10: within noise; docs/performance.md, memory in long runs,
-and benchmark_train's memory columns) and bounds the peak, because the holes cannot all be touched
-again between two calls.
+every hole. Each call costs re-faulting those pages: the heap holds hundreds of MB of free chunks
+at the end of a step, and the step after a call faults them in again. Every 10 steps that cost a
+step several times the page faults and kernel CPU time it takes untrimmed; every 100 costs a
+fraction of that, and RSS's window peak stays level over a long run, nearly as low as every 10's,
+where never trimming levels off higher (benchmark_train's fault, time and memory columns, in the
+ledger; docs/performance.md, memory in long runs).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import ctypes
 import ctypes.util
 import functools
 
-HEAP_TRIM_EVERY = 10  # training steps between two releases
+HEAP_TRIM_EVERY = 100  # training steps between two releases
 
 
 @functools.cache
