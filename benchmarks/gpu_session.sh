@@ -15,7 +15,7 @@
 # the compiled Transformer-base bf16 step's time goes at TOKENS a batch: device time by kind of kernel,
 # launches, the op census; into the ledger), cpu (where the machine's CPU has AMX: the small model's
 # bf16 training on it against the fp32 reference, two threads as the ledger's CPU runs, and without
-# the trainer's heap trim, whose re-faulted pages doubled a step's page faults on AVX-512-bf16; then
+# the trainer's heap trim, to weigh the kernel time its re-faulted pages cost where a step is short; then
 # profile_train's op table of that step; into the ledger; "Fast hardware" has had no AMX machine
 # since 2026-11-28).
 set -u
