@@ -8,7 +8,8 @@
 
 An AVX-512 or AMX machine stands in for an AVX2-only one when the command runs under AVX2_CAP's
 three variables (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2);
-its results are filed as "CPU capped at AVX2".
+its results are filed as "CPU capped at AVX2". A library preloaded into the run (LD_PRELOAD: another
+memory allocator, such as tcmalloc) changes what is measured, so the recorded command starts with it.
 
 `record` stores what a command printed (its stdin) as a result of its own, e.g. the demo's run;
 `run` runs a benchmark of this folder as it is (its arguments after the script's name), shows its
@@ -131,7 +132,8 @@ def run(script: str, arguments: list[str], *, aside: bool = False) -> Path:
     if process.wait():
         raise SystemExit(f"error: {script} exited with {process.returncode}; nothing recorded")
     capped = [f"{name}={value}" for name, value in AVX2_CAP.items()] if machine()["kind"] == CAPPED_KIND else []
-    command_line = shlex.join([*capped, "python", f"benchmarks/{script}", *arguments])  # as a shell would take it back
+    preloaded = [f"LD_PRELOAD={os.environ['LD_PRELOAD']}"] if os.environ.get("LD_PRELOAD") else []  # an allocator
+    command_line = shlex.join([*capped, *preloaded, "python", f"benchmarks/{script}", *arguments])  # pastes back
     marks = {"aside": True} if aside else {}
     return record(Path(script).stem, "".join(output), command=command_line, commit=measured, extra=marks)
 

@@ -3,6 +3,7 @@ rendered from the results show each machine kind's latest figures with the histo
 
 from __future__ import annotations
 
+import ctypes.util
 import io
 import json
 import subprocess
@@ -94,6 +95,25 @@ def test_a_runs_command_runs_again_as_recorded(tmp_path, monkeypatch):
     script = words.index("benchmarks/benchmark_tiny.py")
     assert words[script - 1 : script] == ["python"] and words[script + 1 :] == ["--sides", "ours bf16", "ours fp32"]
     assert result["output"] == "['--sides', 'ours bf16', 'ours fp32']\n"
+
+
+def test_a_run_under_a_preloaded_library_records_it_in_its_command(tmp_path, monkeypatch):
+    """Another allocator (LD_PRELOAD) changes a run's speed and memory: its command says so, and runs
+    again under it when pasted back."""
+    import shlex
+
+    monkeypatch.setattr(ledger, "RESULTS", tmp_path)
+    monkeypatch.setattr(ledger, "HERE", tmp_path)
+    (tmp_path / "benchmark_tiny.py").write_text("import os\nprint(os.environ.get('LD_PRELOAD'))\n")
+    monkeypatch.setenv("LD_PRELOAD", "")  # the loader ignores an empty one; nothing to record
+    assert shlex.split(json.loads(ledger.run("benchmark_tiny.py", []).read_text())["command"])[0] == "python"
+    library = ctypes.util.find_library("c")  # loaded already: it stands in for libtcmalloc_minimal.so.4
+    if library is None:
+        pytest.skip("no C library for the loader to preload")
+    monkeypatch.setenv("LD_PRELOAD", library)
+    result = json.loads(ledger.run("benchmark_tiny.py", []).read_text())
+    assert shlex.split(result["command"])[:2] == [f"LD_PRELOAD={library}", "python"]
+    assert result["output"] == f"{library}\n"  # the benchmark ran under it
 
 
 def test_of_two_results_of_one_day_the_later_is_the_latest(tmp_path, monkeypatch):
