@@ -11,6 +11,11 @@ step several times the page faults and kernel CPU time it takes untrimmed; every
 fraction of that, and RSS's window peak stays level over a long run, nearly as low as every 10's,
 where never trimming levels off higher (benchmark_train's fault, time and memory columns, in the
 ledger; docs/performance.md, memory in long runs).
+
+tcmalloc keeps freed blocks for the next ones of their size instead: a bf16 step under it faults a
+few hundred pages where glibc's faults thousands, and the run holds less memory. seq2seq does not
+load it into a running process (an allocator is chosen before the first block is allocated), so
+training on a CPU says how to preload it where it is installed and not in use (allocator_hint).
 """
 
 from __future__ import annotations
@@ -18,15 +23,20 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import platform
+from pathlib import Path
 
 HEAP_TRIM_EVERY = 100  # training steps between two releases
+PRELOADED_ALLOCATORS = ("tcmalloc", "jemalloc")  # in the file names of the allocators people preload
+TCMALLOC_NAMES = ("tcmalloc_minimal", "tcmalloc")  # as ctypes.util.find_library looks them up
 
 
 @functools.cache
 def _malloc_trim():
-    """glibc's malloc_trim, or None where the C library has none (macOS, musl)."""
+    """glibc's malloc_trim, or None where the C library has none (macOS, musl) or another allocator
+    serves this process (whose heap glibc's trim would not touch)."""
     name = ctypes.util.find_library("c")
-    if name is None:
+    if name is None or allocator_in_use() is not None:
         return None
     try:
         return ctypes.CDLL(name).malloc_trim
@@ -41,3 +51,27 @@ def release_free_heap() -> bool:
         return False
     trim(ctypes.c_size_t(0))
     return True
+
+
+def allocator_hint() -> str | None:
+    """One line saying how to run under tcmalloc, where glibc's malloc serves this process and tcmalloc
+    is installed (Linux); None elsewhere, or where another allocator is in use already."""
+    if platform.system() != "Linux" or allocator_in_use() is not None:
+        return None
+    library = next(filter(None, map(ctypes.util.find_library, TCMALLOC_NAMES)), None)
+    if library is None:
+        return None
+    return (f"memory: glibc's malloc; tcmalloc is installed, under which training on a CPU holds less memory "
+            f"and the kernel less time: set LD_PRELOAD={library} before the command (docs/performance.md)")  # fmt: skip
+
+
+@functools.cache
+def allocator_in_use() -> str | None:
+    """The preloaded allocator this process maps ("tcmalloc", "jemalloc"), or None: glibc's malloc
+    (asked once: a process keeps the allocator it started with)."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return None
+    mapped = {Path(line.split()[-1]).name for line in maps.splitlines() if "/" in line}
+    return next((name for name in PRELOADED_ALLOCATORS if any(name in library for library in mapped)), None)

@@ -29,7 +29,7 @@ from seq2seq.data.batching import epoch_batches, make_batch, over_the_budget
 from seq2seq.errors import UserInputError
 from seq2seq.progress import progress_bar
 from seq2seq.training.distributed import setup_distributed
-from seq2seq.training.host_memory import HEAP_TRIM_EVERY, release_free_heap
+from seq2seq.training.host_memory import HEAP_TRIM_EVERY, allocator_hint, release_free_heap
 from seq2seq.training.interruption import StopRequests
 from seq2seq.training.precision import choose_precision
 from seq2seq.training.run_dir import RunDir, check_resumable, fine_tuning_start, prepare_run
@@ -246,6 +246,9 @@ class Trainer:
             tc.accum_steps,
             tc.max_tokens * per_update,
         )
+        hint = allocator_hint() if self.device.type == "cpu" and self.dist.is_main else None
+        if hint:
+            log.info(hint)
         if self.dist.is_main:  # every rank's stderr shows warnings (cli.boundary): said once, by rank 0
             for warning in (over_the_budget(self.state.data.train, tc.max_tokens), warmup_outlasting_the_run(tc)):
                 if warning:
