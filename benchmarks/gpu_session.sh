@@ -16,8 +16,8 @@
 # launches, the op census; into the ledger), cpu (where the machine's CPU has AMX: the small model's
 # bf16 training on it against the fp32 reference, two threads as the ledger's CPU runs, and without
 # the trainer's heap trim, to weigh the kernel time its re-faulted pages cost where a step is short; then
-# profile_train's op table of that step; into the ledger; "Fast hardware" has had no AMX machine
-# since 2026-11-28).
+# profile_train's op table of that step, and the bf16 side again under tcmalloc where the wheels step
+# carried it; into the ledger; "Fast hardware" has had no AMX machine since 2026-11-28).
 set -u
 OUT=${OUT:-/tmp/gpu_session}
 mkdir -p "$OUT"
@@ -37,7 +37,11 @@ for step in "$@"; do
       done)
       python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
-        --platform manylinux2014_x86_64 -d .whl $specs && du -sh .whl ;;
+        --platform manylinux2014_x86_64 -d .whl $specs
+      # tcmalloc, for the cpu step's run under it (the image has none and no package manager's reach)
+      tcmalloc=$(ldconfig -p | awk '/libtcmalloc_minimal\.so\.4 .*x86-64/ {print $NF; exit}')
+      if [ -n "$tcmalloc" ]; then cp -L "$tcmalloc" .whl/; else echo "no libtcmalloc_minimal.so.4 here to carry"; fi
+      du -sh .whl ;;
     setup)
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/*.whl >"$OUT/setup.log" 2>&1
       python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >>"$OUT/setup.log" 2>&1
@@ -100,6 +104,17 @@ print(f'valid loss after $steps updates: eager {loss[\"false\"]:.4f}, compiled {
         CUDA_VISIBLE_DEVICES= PYTHONUNBUFFERED=1 timeout "${CPU_PROFILE_SECONDS:-180}" python3 benchmarks/ledger.py run \
           profile_train.py --precision bf16 --max-tokens 4000 --threads 2 --rows 25 >"$OUT/cpu_profile.log" 2>&1
         elapsed "cpu profile (AMX): exit $?"; grep -A3 "tokens/batch, " "$OUT/cpu_profile.log"
+        # the same bf16 side under tcmalloc where the wheels step carried it and it loads here
+        tcmalloc=$PWD/.whl/libtcmalloc_minimal.so.4
+        in_use="from seq2seq.training.host_memory import allocator_in_use; print(allocator_in_use())"
+        if [ -f "$tcmalloc" ] && [ "$(LD_PRELOAD=$tcmalloc python3 -c "$in_use" 2>/dev/null)" = tcmalloc ]; then
+          CUDA_VISIBLE_DEVICES= PYTHONUNBUFFERED=1 LD_PRELOAD=$tcmalloc timeout "${CPU_TCMALLOC_SECONDS:-150}" \
+            python3 benchmarks/ledger.py run benchmark_train.py --sides "ours bf16" --steps 60 --warmup 10 \
+            --threads 2 >"$OUT/cpu_tcmalloc.log" 2>&1
+          elapsed "cpu under tcmalloc (AMX): exit $?"; grep -E "^\|" "$OUT/cpu_tcmalloc.log"
+        else
+          elapsed "cpu under tcmalloc: no loadable .whl/libtcmalloc_minimal.so.4: not run"
+        fi
       else
         elapsed "cpu:$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2) has no AMX: nothing run"
       fi ;;
