@@ -239,6 +239,9 @@ class Trainer:
         tc = self.config.train
         log.info("model: %.2fM parameters; training on %s", _parameter_count(self.model) / 1e6, self.device)
         log.info("precision: %s (%s)", tc.precision, self.precision_reason)
+        hint = allocator_hint() if self.device.type == "cpu" and self.dist.is_main else None
+        if hint:
+            log.info(hint)
         log.info(
             "effective batch: up to %d tokens x %d ranks x %d accumulation steps = %d tokens per update",
             tc.max_tokens,
@@ -246,9 +249,6 @@ class Trainer:
             tc.accum_steps,
             tc.max_tokens * per_update,
         )
-        hint = allocator_hint() if self.device.type == "cpu" and self.dist.is_main else None
-        if hint:
-            log.info(hint)
         if self.dist.is_main:  # every rank's stderr shows warnings (cli.boundary): said once, by rank 0
             for warning in (over_the_budget(self.state.data.train, tc.max_tokens), warmup_outlasting_the_run(tc)):
                 if warning:
