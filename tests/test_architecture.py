@@ -29,6 +29,7 @@ GROUND = {
     "config_files",
     "config_reference",
     "files",
+    "mapped_libraries",
     "progress",
 }
 

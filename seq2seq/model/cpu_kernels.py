@@ -36,6 +36,8 @@ from pathlib import Path
 
 import torch
 
+from seq2seq.mapped_libraries import library_of, mapped_libraries
+
 log = logging.getLogger(__name__)
 
 KERNEL_FILES = ("cpu_kernels", "cpu_attention", "cpu_residual_norm", "cpu_linear", "cpu_embedding", "cpu_optimizer")
@@ -185,29 +187,14 @@ def _openmp_runtime() -> str | None:
     without OpenMP (the kernels then run on one thread)."""
     if torch.__config__.parallel_info().find("OpenMP") < 0:
         return None
-    mapped = _mapped_libraries()
+    mapped = mapped_libraries()
     torch_cpu = next((path for path in mapped.values() if Path(path).name.startswith("libtorch_cpu")), None)
     if torch_cpu is None:
         return None
     try:  # looked up from libtorch_cpu's handle: found in the libraries it was linked to, as it uses it
-        address = ctypes.cast(ctypes.CDLL(torch_cpu).omp_get_max_threads, ctypes.c_void_p).value
+        return library_of(ctypes.CDLL(torch_cpu).omp_get_max_threads, mapped)
     except AttributeError:
         return None
-    return next((path for (start, end), path in mapped.items() if start <= address < end), None)
-
-
-def _mapped_libraries() -> dict[tuple[int, int], str]:
-    """This process's file mappings: their address ranges and the files they map (/proc/self/maps)."""
-    maps = Path("/proc/self/maps")
-    if not maps.exists():
-        return {}
-    mapped = {}
-    for line in maps.read_text().splitlines():
-        fields = line.split(maxsplit=5)
-        if len(fields) == 6 and fields[5].startswith("/"):
-            start, end = fields[0].split("-")
-            mapped[int(start, 16), int(end, 16)] = fields[5]
-    return mapped
 
 
 def _cpu_flags() -> str:

@@ -26,6 +26,8 @@ import functools
 import platform
 from pathlib import Path
 
+from seq2seq.mapped_libraries import library_of
+
 HEAP_TRIM_EVERY = 100  # training steps between two releases
 PRELOADED_ALLOCATORS = ("tcmalloc", "jemalloc")  # in the file names of the allocators people preload
 TCMALLOC_NAMES = ("tcmalloc_minimal", "tcmalloc")  # as ctypes.util.find_library looks them up
@@ -67,11 +69,12 @@ def allocator_hint() -> str | None:
 
 @functools.cache
 def allocator_in_use() -> str | None:
-    """The preloaded allocator this process maps ("tcmalloc", "jemalloc"), or None: glibc's malloc
-    (asked once: a process keeps the allocator it started with)."""
+    """The preloaded allocator that serves this process's malloc ("tcmalloc", "jemalloc"), or None:
+    glibc's (asked once: a process keeps the allocator it started with). It is the library that
+    defines the malloc the process's global scope resolves, where a preload comes first."""
     try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:
+        library = library_of(ctypes.CDLL(None).malloc)
+    except (OSError, AttributeError):
         return None
-    mapped = {Path(line.split()[-1]).name for line in maps.splitlines() if "/" in line}
-    return next((name for name in PRELOADED_ALLOCATORS if any(name in library for library in mapped)), None)
+    name = Path(library).name if library else ""
+    return next((allocator for allocator in PRELOADED_ALLOCATORS if allocator in name), None)

@@ -62,3 +62,17 @@ def test_nothing_is_said_under_a_preloaded_tcmalloc():
     run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
                          env={**os.environ, "LD_PRELOAD": library})  # fmt: skip
     assert run.stdout.split() == ["tcmalloc", "None", "False"]
+
+
+def test_a_tcmalloc_loaded_for_a_librarys_own_use_is_not_the_allocator_in_use():
+    """A wheel may load an allocator for itself: glibc's malloc still serves the process, so its heap is
+    still trimmed and the hint still said. The allocator is the library that defines the malloc the
+    process resolves, not one whose name the process maps."""
+    library = installed_tcmalloc()
+    if library is None:
+        pytest.skip("tcmalloc is not installed (Debian: libtcmalloc-minimal4)")
+    probe = f"import ctypes\nctypes.CDLL({library!r}, mode=ctypes.RTLD_LOCAL)\n"
+    probe += "from seq2seq.training.host_memory import *\nprint(allocator_in_use(), release_free_heap())"
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                         env={name: value for name, value in os.environ.items() if name != "LD_PRELOAD"})  # fmt: skip
+    assert run.stdout.split() == ["None", "True"]
