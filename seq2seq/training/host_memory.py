@@ -60,11 +60,16 @@ def allocator_hint() -> str | None:
     is installed (Linux); None elsewhere, or where another allocator is in use already."""
     if platform.system() != "Linux" or allocator_in_use() is not None:
         return None
-    library = next(filter(None, map(ctypes.util.find_library, TCMALLOC_NAMES)), None)
+    library = installed_tcmalloc()
     if library is None:
         return None
     return (f"memory: glibc's malloc; tcmalloc is installed, under which training on a CPU holds less memory "
             f"and the kernel less time: set LD_PRELOAD={library} before the command (docs/performance.md)")  # fmt: skip
+
+
+def installed_tcmalloc() -> str | None:
+    """The name under which the loader finds tcmalloc here (libtcmalloc_minimal.so.4), or None."""
+    return next(filter(None, map(ctypes.util.find_library, TCMALLOC_NAMES)), None)
 
 
 @functools.cache

@@ -3,7 +3,6 @@ page faults, less memory: docs/performance.md), and says nothing where it is in 
 
 from __future__ import annotations
 
-import ctypes.util
 import logging
 import os
 import platform
@@ -13,7 +12,7 @@ import sys
 import pytest
 
 from seq2seq.training import host_memory
-from seq2seq.training.host_memory import TCMALLOC_NAMES, allocator_hint, allocator_in_use
+from seq2seq.training.host_memory import TCMALLOC_NAMES, allocator_hint, allocator_in_use, installed_tcmalloc
 
 from ..conftest import make_trainer
 
@@ -24,10 +23,6 @@ def pretend_installed(monkeypatch, library: str | None) -> None:
     """ctypes.util.find_library finds `library` under tcmalloc's first name, or nothing."""
     names = {TCMALLOC_NAMES[0]: library}
     monkeypatch.setattr(host_memory.ctypes.util, "find_library", lambda name: names.get(name))
-
-
-def installed_tcmalloc() -> str | None:
-    return next(filter(None, map(ctypes.util.find_library, TCMALLOC_NAMES)), None)
 
 
 @pytest.fixture
