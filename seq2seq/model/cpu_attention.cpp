@@ -24,10 +24,16 @@
 #include <type_traits>
 #include <vector>
 
+// AVX-512 with its byte and word instructions (BW) on 256-bit vectors too (VL): transposes are blocks
+// of 16 x 16 values moved in registers (transpose_blocks). Every CPU with AMX has them.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define SEQ2SEQ_BLOCK_TRANSPOSES 1
+#endif
+
 // AMX's tile instructions (Intel Xeon from Sapphire Rapids): a bf16 product of 16 x 32 by 32 x 16 in one
 // instruction. Where the kernels are built for them, bf16 attention computes its six products on them.
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <immintrin.h>
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(SEQ2SEQ_BLOCK_TRANSPOSES)
 #include <sys/syscall.h>
 #include <unistd.h>
 #define SEQ2SEQ_TILES 1
@@ -177,15 +183,87 @@ void read_rows(const T* source, int64_t stride, int64_t rows, int64_t width, flo
   }
 }
 
+#if defined(SEQ2SEQ_BLOCK_TRANSPOSES)
+constexpr int64_t kBlock = 16;  // 32-bit values in a 512-bit register
+
+// The first `count` of a block's 16 lanes.
+inline __mmask16 lanes(int64_t count) { return static_cast<__mmask16>((1u << count) - 1u); }
+
+// rows[i] lane j -> rows[j] lane i, for 16 registers of 16 32-bit values (floats or any 32 bits):
+// interleaved in pairs, then quads, then 128-bit quarters, then halves.
+inline void transpose16(__m512 rows[kBlock]) {
+  __m512 t[kBlock];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(rows[i], rows[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(rows[i], rows[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    rows[i] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    rows[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    rows[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    rows[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_f32x4(rows[i], rows[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_f32x4(rows[i], rows[i + 4], 0xDD);
+    t[i + 8] = _mm512_shuffle_f32x4(rows[i + 8], rows[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_f32x4(rows[i + 8], rows[i + 12], 0xDD);
+  }
+  for (int i = 0; i < 4; ++i) {
+    rows[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    rows[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
+    rows[i + 4] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0x88);
+    rows[i + 12] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0xDD);
+  }
+}
+
+// The transpose of a rows x cols matrix of 32-bit values, 16 x 16 at a time in registers:
+// load(i, j, mask) gives row i's values from column j (16 lanes, those past `mask` zero) and
+// store(j, i, mask, vector) writes the transpose's row j from its column i: a few dozen shuffles
+// for 256 values, where a scalar loop took each value alone through memory (benchmark_attention).
+template <typename Load, typename Store>
+inline void transpose_blocks(int64_t rows, int64_t cols, Load load, Store store) {
+  for (int64_t i = 0; i < rows; i += kBlock) {
+    const int64_t block_rows = std::min(kBlock, rows - i);
+    for (int64_t j = 0; j < cols; j += kBlock) {
+      const int64_t block_cols = std::min(kBlock, cols - j);
+      __m512 block[kBlock];
+      for (int64_t r = 0; r < kBlock; ++r)
+        block[r] = r < block_rows ? load(i + r, j, lanes(block_cols)) : _mm512_setzero_ps();
+      transpose16(block);
+      for (int64_t c = 0; c < block_cols; ++c) store(j + c, i, lanes(block_rows), block[c]);
+    }
+  }
+}
+
+inline __m512 load_floats(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
+inline __m512 load_floats(const c10::BFloat16* p, __mmask16 mask) {  // widened exactly: bf16 bits, then zeros
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
+}
+#endif
+
 // out[d][r] = source[r][d] as floats, for the rows x width of `source` (row stride `stride`): the keys'
 // or values' transpose read straight from their rows; out's padding columns are left as they were.
+// With AVX-512 a block of 16 rows at a time, asking for the next block's lines as it reads each row.
 template <typename T>
 void read_transposed(const T* source, int64_t stride, int64_t rows, int64_t width, float* out, int64_t out_stride) {
+#if defined(SEQ2SEQ_BLOCK_TRANSPOSES)
+  transpose_blocks(
+      rows, width,
+      [&](int64_t r, int64_t d, __mmask16 mask) {
+        if (d == 0 && r + kBlock < rows) prefetch_row(source + (r + kBlock) * stride, width);  // the next block's row
+        return load_floats(source + r * stride + d, mask);
+      },
+      [&](int64_t d, int64_t r, __mmask16 mask, __m512 values) {
+        _mm512_mask_storeu_ps(out + d * out_stride + r, mask, values);
+      });
+#else
   for (int64_t r = 0; r < std::min(rows, kRowsAhead); ++r) prefetch_row(source + r * stride, width);
   for (int64_t r = 0; r < rows; ++r) {
     if (r + kRowsAhead < rows) prefetch_row(source + (r + kRowsAhead) * stride, width);
     for (int64_t d = 0; d < width; ++d) out[d * out_stride + r] = load(source[r * stride + d]);
   }
+#endif
 }
 
 template <typename T>
@@ -359,12 +437,23 @@ void pack_a(const T* src, int64_t stride, int64_t rows, int64_t cols, int64_t ro
   std::fill(out + rows * cols_pad, out + rows_pad * cols_pad, uint16_t{0});
 }
 
+// 16 floats rounded to bf16 as store() rounds each (to the nearest, ties to even), as 16 bf16 bits.
+inline __m256i bf16_bits(__m512 values) {
+  const __m512i bits = _mm512_castps_si512(values);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounding = _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd);
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(bits, rounding), 16));
+}
+
 // A as pack_a makes it, from the transpose of src: A[r][c] = src[c * stride + r].
 void pack_a_transposed(const float* src, int64_t stride, int64_t rows, int64_t cols, int64_t rows_pad,
                        int64_t cols_pad, uint16_t* out) {
   std::fill(out, out + rows_pad * cols_pad, uint16_t{0});
-  for (int64_t c = 0; c < cols; ++c)
-    for (int64_t r = 0; r < rows; ++r) out[r * cols_pad + c] = bf16_bits(src[c * stride + r]);
+  transpose_blocks(
+      cols, rows, [&](int64_t c, int64_t r, __mmask16 mask) { return load_floats(src + c * stride + r, mask); },
+      [&](int64_t r, int64_t c, __mmask16 mask, __m512 values) {
+        _mm256_mask_storeu_epi16(out + r * cols_pad + c, mask, bf16_bits(values));
+      });
 }
 
 // B (depth x cols) in the tiles' layout: depth_pad / 2 rows of cols_pad pairs (B[2i][n], B[2i + 1][n]),
@@ -395,12 +484,18 @@ void pack_b_transposed(const c10::BFloat16* src, int64_t stride, int64_t depth, 
                        int64_t cols_pad, uint16_t* out) {
   uint32_t* pairs = reinterpret_cast<uint32_t*>(out);
   std::fill(pairs, pairs + depth_pad / 2 * cols_pad, 0u);
-  for (int64_t n = 0; n < cols; ++n) {
-    const c10::BFloat16* column = src + n * stride;
-    for (int64_t i = 0; i < depth / 2; ++i)
-      pairs[i * cols_pad + n] = column[2 * i].x | static_cast<uint32_t>(column[2 * i + 1].x) << 16;
-    if (depth % 2) pairs[depth / 2 * cols_pad + n] = column[depth - 1].x;
-  }
+  // src's row n read as 32-bit words, each a pair (element 2i in its low half), is B's column n of pairs
+  transpose_blocks(
+      cols, depth / 2,
+      [&](int64_t n, int64_t i, __mmask16 mask) {
+        if (i == 0 && n + kBlock < cols) prefetch_row(src + (n + kBlock) * stride, depth);  // the next block's row
+        return _mm512_castsi512_ps(_mm512_maskz_loadu_epi32(mask, src + n * stride + 2 * i));
+      },
+      [&](int64_t i, int64_t n, __mmask16 mask, __m512 words) {
+        _mm512_mask_storeu_epi32(pairs + i * cols_pad + n, mask, _mm512_castps_si512(words));
+      });
+  if (depth % 2)
+    for (int64_t n = 0; n < cols; ++n) pairs[depth / 2 * cols_pad + n] = src[n * stride + depth - 1].x;
 }
 
 template <int Tile>
