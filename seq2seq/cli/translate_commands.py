@@ -18,9 +18,7 @@ CheckpointsOption = Annotated[
 ]
 BeamOption = Annotated[
     Optional[int],  # noqa: UP045
-    typer.Option(
-        "--beam", min=1, help="Beam size (1 = greedy) [default: the model's decode.beam].", show_default=False
-    ),
+    typer.Option("--beam", help="Beam size (1 = greedy) [default: the model's decode.beam].", show_default=False),
 ]
 
 
@@ -41,7 +39,7 @@ def translate(
     output: Annotated[str, typer.Option("--output", "-o", help="Output file, or - for stdout.")] = "-",
     beam: BeamOption = None,
     nbest: Annotated[
-        Optional[int], typer.Option("--nbest", min=1, help="Print the N best per line: idx ||| text ||| score.")  # noqa: UP045
+        Optional[int], typer.Option("--nbest", help="Print the N best per line: idx ||| text ||| score.")  # noqa: UP045
     ] = None,
     overrides: DecodeSetOption = None,
     stream: Annotated[bool, typer.Option("--stream", help="Translate each stdin line as it arrives.")] = False,

@@ -156,7 +156,9 @@ CASES = {
                                            lambda w: [str(w.folder), "a directory without checkpoints/best.pt"],
                                            input="a cat\n"),
     "translate --beam 0": Case(lambda w: ["translate", "-c", w.checkpoint, "--beam", "0"],
-                               lambda w: ["Invalid value for '--beam'"], input="a cat\n"),
+                               lambda w: ["--beam: expected an integer in [1, 256], got 0"], input="a cat\n"),
+    "translate --nbest 0": Case(lambda w: ["translate", "-c", w.checkpoint, "--nbest", "0"],
+                                lambda w: ["--nbest: expected an integer in [1, 256], got 0"], input="a cat\n"),
     "translate --nbest past --beam": Case(lambda w: ["translate", "-c", w.checkpoint, "--beam", "2", "--nbest", "3"],
                                           lambda w: ["--nbest: expected at most beam (2), got 3"], input="a cat\n"),
     "eval --beam past its bound": Case(
