@@ -16,8 +16,9 @@
 # launches, the op census; into the ledger), cpu (where the machine's CPU has AMX: the small model's
 # bf16 training on it against the fp32 reference, two threads as the ledger's CPU runs, and without
 # the trainer's heap trim, to weigh the kernel time its re-faulted pages cost where a step is short; then
-# profile_train's op table of that step, and the bf16 side again under tcmalloc where the wheels step
-# carried it; into the ledger; "Fast hardware" has had no AMX machine since 2026-11-28).
+# profile_train's op table of that step, the weight gradients' products and attention's kernels alone,
+# and the bf16 side again under tcmalloc where the wheels step carried it; into the ledger; "Fast
+# hardware" has had no AMX machine since 2026-11-28).
 set -u
 OUT=${OUT:-/tmp/gpu_session}
 mkdir -p "$OUT"
@@ -104,6 +105,14 @@ print(f'valid loss after $steps updates: eager {loss[\"false\"]:.4f}, compiled {
         CUDA_VISIBLE_DEVICES= PYTHONUNBUFFERED=1 timeout "${CPU_PROFILE_SECONDS:-180}" python3 benchmarks/ledger.py run \
           profile_train.py --precision bf16 --max-tokens 4000 --threads 2 --rows 25 >"$OUT/cpu_profile.log" 2>&1
         elapsed "cpu profile (AMX): exit $?"; grep -A3 "tokens/batch, " "$OUT/cpu_profile.log"
+        # seconds each: the weight gradients' product against oneDNN's backward-weights primitive, and
+        # attention on the tiles (their packing since 7686e91) against PyTorch's kernels
+        for bench in "benchmark_weight_gradients.py" "benchmark_attention.py --tokens 4000 --heads 4 --lengths 24 40 64"; do
+          CUDA_VISIBLE_DEVICES= PYTHONUNBUFFERED=1 OMP_NUM_THREADS=2 timeout "${CPU_KERNEL_SECONDS:-90}" \
+            python3 benchmarks/ledger.py run $bench >>"$OUT/cpu_kernels.log" 2>&1
+          elapsed "cpu ${bench%% *} (AMX): exit $?"
+        done
+        grep -E "^\|" "$OUT/cpu_kernels.log"
         # the same bf16 side under tcmalloc where the wheels step carried it and it loads here
         tcmalloc=$PWD/.whl/libtcmalloc_minimal.so.4
         in_use="from seq2seq.training.host_memory import allocator_in_use; print(allocator_in_use())"
