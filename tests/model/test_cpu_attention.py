@@ -1,12 +1,16 @@
 """Attention straight from a stack's flat rows (model/cpu_attention.py): equal to PyTorch's attention of
 each sentence, forward and backward, in fp32 and bf16, self (causal or not) and cross; zeros in the
-padding rows; the same for any thread count; and a model that takes it trains as one that does not."""
+padding rows; the same for any thread count; and a model that takes it trains as one that does not.
+The AMX tile path's packing is checked apart, on any CPU with AVX-512 BW and VL (tile_packing_check.cpp)."""
 
 from __future__ import annotations
 
 import os
+import platform
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +21,7 @@ from seq2seq.config import ModelConfig
 from seq2seq.data.special_tokens import PAD_ID
 from seq2seq.model import cpu_attention, layers
 from seq2seq.model.cpu_attention import flat_attention
-from seq2seq.model.cpu_kernels import CAPPED_TARGETS, SWITCH, _cpu_flags
+from seq2seq.model.cpu_kernels import CAPPED_TARGETS, COMPILE_FLAGS, SOURCES, SWITCH, _cpu_flags
 from seq2seq.model.rows import Rows
 from seq2seq.model.transformer import Seq2SeqTransformer
 
@@ -93,6 +97,35 @@ def test_bf16_attention_takes_amx_tiles_where_the_kernels_are_built_for_them(fus
     if "amx_bf16" not in _cpu_flags().split() or capped:
         pytest.skip("no AMX here (or the kernels are built below it): bf16 attention multiplies in fp32")
     assert fused_kernels.attention_tiles()
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64" or shutil.which("g++") is None,
+                    reason="the check builds for this x86 CPU with GCC")  # fmt: skip
+def test_tile_packing_and_block_transposes_equal_their_definitions(tmp_path):
+    """The AMX tile path's packing (k^T, v^T, the transposed probabilities, rounded to bf16) and the
+    transposed reads move 16 x 16 blocks through AVX-512 registers: each equals its definition as a
+    plain loop, bit for bit, NaNs, denormals and rounding ties included. Built with AMX's flags, it runs
+    on any CPU with AVX-512 BW and VL: the packing, never a tile instruction (tile_packing_check.cpp)."""
+    if not {"avx512bw", "avx512vl"} <= set(_cpu_flags().split()):
+        pytest.skip("no AVX-512 BW and VL here: the kernels keep the scalar loops, which the tests above cover")
+    from torch.utils import cpp_extension
+
+    check = Path(__file__).with_name("tile_packing_check.cpp")
+    includes = [f"-I{path}" for path in (SOURCES[0].parent, *cpp_extension.include_paths())]
+    libraries = cpp_extension.library_paths()
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}"
+    program = tmp_path / "check"
+    built = subprocess.run(
+        ["g++", *COMPILE_FLAGS, "-march=native", "-mamx-tile", "-mamx-bf16", "-fopenmp", "-std=c++17", abi,
+         *includes, str(check), "-o", str(program), *(f"-L{path}" for path in libraries),
+         *(f"-Wl,-rpath,{path}" for path in libraries), "-ltorch", "-ltorch_cpu", "-lc10"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    if built.returncode != 0 and "unrecognized command-line option" in built.stderr:
+        pytest.skip("this GCC cannot build for AMX")
+    assert built.returncode == 0, built.stderr[-2000:]
+    ran = subprocess.run([str(program)], capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0 and "checked 8000" in ran.stdout, ran.stdout
 
 
 def test_any_thread_count_gives_the_same_bits(fused_kernels):
